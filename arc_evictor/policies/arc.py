@@ -1,0 +1,254 @@
+"""ARC: Adaptive Replacement Cache (Megiddo & Modha, FAST'03), and DBL.
+
+Variant: the paper's Figure 4, exactly, with a float target ``p`` in [0, c]:
+a B1 ghost hit raises ``p`` by max(1, |B2|/|B1|), a B2 ghost hit lowers it by
+max(1, |B1|/|B2|), and the key goes to T2. REPLACE evicts T1's LRU if T1 is
+non-empty and (|T1| > p, or the key is in B2 and |T1| = p), else T2's LRU.
+libCacheSim's ``ARC.c`` (0.3.5) does the same with a double ``p``, and the
+oracle tests hold us to its hit counts exactly.
+
+Adaptation to a block pool with pinning: REPLACE names a list; if that list has
+no unpinned block, the victim is the other list's LRU unpinned block, and ``p``
+does not move for that fallback. Recency inside T1 and T2 is release time, as in
+vLLM; a pinned block leaves its list's order (it still counts in |T1| or |T2|)
+and re-enters at the MRU end when released.
+
+The paper's case IV directory bounds (|T1| + |B1| <= c, |T1|+|T2|+|B1|+|B2| <= 2c)
+are restored after the insertion by dropping ghost LRUs; on the paper's own
+traces this drops the very keys the paper drops before REPLACE.
+
+DBL (the paper's DBL(2c) baseline, i.e. ARC with ``p`` frozen at c/2) is ARC
+with adaptation turned off.
+
+Name map (paper -> here): T1 ``_t1``, T2 ``_t2``, B1 ``_b1``, B2 ``_b2``,
+p ``_p``, c ``capacity``; libCacheSim's L1_data/L1_ghost/L2_data/L2_ghost are
+T1/B1/T2/B2.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import OrderedDict
+from collections.abc import Iterator
+
+from arc_evictor.policies.base import EvictionPolicy, Key
+
+T1, T2, B1, B2 = 0, 1, 2, 3
+_LIST_NAMES = ("t1", "t2", "b1", "b2")
+_NONE = object()
+
+
+class ARC(EvictionPolicy):
+    """ARC over a block pool with pinned blocks.
+
+    Invariants:
+    - ``_where`` maps every directory key (resident or ghost) to T1, T2, B1 or B2;
+    - ``_t1``/``_t2`` hold exactly the unpinned keys of T1/T2, ordered by release
+      (value = release stamp, increasing); ``_pinned`` holds the pinned resident keys;
+    - ``_t1_size``/``_t2_size`` count T1/T2 including pinned keys, and
+      ``_t1_size + _t2_size <= capacity``;
+    - ``_b1``/``_b2`` hold the ghost keys, least recently evicted first;
+    - ``_t1_size + len(_b1) <= capacity`` and ``len(_where) <= 2 * capacity``
+      after every insert;
+    - ``0 <= _p <= capacity``.
+    """
+
+    name = "arc"
+    resident_lists = ("t1", "t2")
+    ghost_lists = ("b1", "b2")
+
+    def __init__(self, capacity: int, *, adaptive: bool = True) -> None:
+        super().__init__(capacity)
+        self.adaptive = adaptive
+        self._where: dict[Key, int] = {}
+        self._t1: OrderedDict[Key, int] = OrderedDict()
+        self._t2: OrderedDict[Key, int] = OrderedDict()
+        self._b1: OrderedDict[Key, None] = OrderedDict()
+        self._b2: OrderedDict[Key, None] = OrderedDict()
+        self._pinned: set[Key] = set()
+        self._t1_size = 0
+        self._t2_size = 0
+        self._p: float = 0.0 if adaptive else capacity / 2
+        # Ghost list of the key that missed in the last ``find`` (B1, B2) or None.
+        self._pending_ghost: int | None = None
+        self._clock = 0
+
+    @property
+    def target(self) -> float:
+        return self._p
+
+    def describe(self) -> str:
+        return "arc" if self.adaptive else "dbl"
+
+    def find(self, key: Key) -> bool:
+        where = self._where.get(key)
+        if where is None:
+            self._pending_ghost = None
+            return False
+        if where == T1:
+            self._t1_size -= 1
+            self._t2_size += 1
+            self._where[key] = T2
+            stamp = self._t1.pop(key, _NONE)
+            if stamp is not _NONE:
+                self._clock += 1
+                self._t2[key] = self._clock
+            return True
+        if where == T2:
+            if key in self._t2:
+                self._clock += 1
+                self._t2[key] = self._clock
+                self._t2.move_to_end(key)
+            return True
+        # A ghost hit: a miss that tells which list should have been larger.
+        n_b1, n_b2 = len(self._b1), len(self._b2)
+        if where == B1:
+            self.counters.count_ghost_hit("b1")
+            if self.adaptive:
+                self._p = min(self._p + max(n_b2 / n_b1, 1.0), float(self.capacity))
+            del self._b1[key]
+        else:
+            self.counters.count_ghost_hit("b2")
+            if self.adaptive:
+                self._p = max(self._p - max(n_b1 / n_b2, 1.0), 0.0)
+            del self._b2[key]
+        del self._where[key]
+        self._pending_ghost = where
+        return False
+
+    def insert(self, key: Key) -> None:
+        assert key not in self._where, f"insert of {key!r}, already in ARC list {self._where[key]}"
+        assert self._t1_size + self._t2_size < self.capacity, f"insert of {key!r} into a full ARC"
+        if self._pending_ghost is None:
+            self._where[key] = T1
+            self._t1_size += 1
+        else:
+            self._where[key] = T2
+            self._t2_size += 1
+        self._pending_ghost = None
+        self._pinned.add(key)
+        # Case IV's directory bounds; only a fresh miss into T1 can break them.
+        capacity = self.capacity
+        while self._t1_size + len(self._b1) > capacity and self._b1:
+            del self._where[self._b1.popitem(last=False)[0]]
+        while len(self._where) > 2 * capacity and (self._b2 or self._b1):
+            ghosts = self._b2 or self._b1
+            del self._where[ghosts.popitem(last=False)[0]]
+
+    def to_evict(self) -> Key | None:
+        t1_size = self._t1_size
+        take_t1 = t1_size > 0 and (
+            t1_size > self._p or (t1_size == self._p and self._pending_ghost == B2)
+        )
+        first, second = (self._t1, self._t2) if take_t1 else (self._t2, self._t1)
+        for candidates in (first, second):
+            for key in candidates:
+                return key
+        return None
+
+    def evict(self, key: Key) -> None:
+        if self._where[key] == T1:
+            del self._t1[key]
+            self._t1_size -= 1
+            self._b1[key] = None
+            self._where[key] = B1
+            self.counters.count_eviction("t1")
+        else:
+            del self._t2[key]
+            self._t2_size -= 1
+            self._b2[key] = None
+            self._where[key] = B2
+            self.counters.count_eviction("t2")
+
+    def remove(self, key: Key) -> None:
+        # Check before changing anything: a pinned key is in neither order, a ghost in
+        # neither T1 nor T2; both raise KeyError and leave the directory intact.
+        where = self._where[key]
+        if where == T1:
+            del self._t1[key]
+            self._t1_size -= 1
+        elif where == T2:
+            del self._t2[key]
+            self._t2_size -= 1
+        else:
+            raise KeyError(key)
+        del self._where[key]
+
+    def pin(self, key: Key) -> None:
+        if self._where[key] == T1:
+            del self._t1[key]
+        else:
+            del self._t2[key]
+        self._pinned.add(key)
+
+    def unpin(self, key: Key) -> None:
+        self._pinned.remove(key)
+        self._clock += 1
+        if self._where[key] == T1:
+            self._t1[key] = self._clock
+        else:
+            self._t2[key] = self._clock
+
+    def __contains__(self, key: object) -> bool:
+        where = self._where.get(key)
+        return where is not None and where <= T2
+
+    def __len__(self) -> int:
+        return self._t1_size + self._t2_size
+
+    def resident_keys(self) -> Iterator[Key]:
+        by_release = heapq.merge(self._t1.items(), self._t2.items(), key=lambda item: item[1])
+        for key, _stamp in by_release:
+            yield key
+        yield from self._pinned
+
+    def list_sizes(self) -> dict[str, int]:
+        return {"t1": self._t1_size, "t2": self._t2_size, "b1": len(self._b1), "b2": len(self._b2)}
+
+    def clear(self) -> None:
+        self._where.clear()
+        self._t1.clear()
+        self._t2.clear()
+        self._b1.clear()
+        self._b2.clear()
+        self._pinned.clear()
+        self._t1_size = self._t2_size = 0
+        self._p = 0.0 if self.adaptive else self.capacity / 2
+        self._pending_ghost = None
+
+    def verify(self) -> None:
+        counts = [0, 0, 0, 0]
+        for where in self._where.values():
+            counts[where] += 1
+        pinned_t1 = sum(1 for key in self._pinned if self._where.get(key) == T1)
+        pinned_t2 = sum(1 for key in self._pinned if self._where.get(key) == T2)
+        assert pinned_t1 + pinned_t2 == len(self._pinned), "a pinned ARC key is not resident"
+        assert all(self._where.get(k) == T1 for k in self._t1), "_t1 holds a key not in T1"
+        assert all(self._where.get(k) == T2 for k in self._t2), "_t2 holds a key not in T2"
+        assert all(self._where.get(k) == B1 for k in self._b1), "_b1 holds a key not in B1"
+        assert all(self._where.get(k) == B2 for k in self._b2), "_b2 holds a key not in B2"
+        assert counts[T1] == self._t1_size == len(self._t1) + pinned_t1, (
+            f"T1 count {self._t1_size} != directory {counts[T1]}"
+        )
+        assert counts[T2] == self._t2_size == len(self._t2) + pinned_t2, (
+            f"T2 count {self._t2_size} != directory {counts[T2]}"
+        )
+        assert counts[B1] == len(self._b1) and counts[B2] == len(self._b2), (
+            "ghost lists out of sync"
+        )
+        assert self._t1_size + self._t2_size <= self.capacity, "ARC holds more than c blocks"
+        assert self._t1_size + len(self._b1) <= self.capacity, "|T1| + |B1| exceeds c"
+        assert len(self._where) <= 2 * self.capacity, "ARC directory exceeds 2c"
+        assert 0.0 <= self._p <= self.capacity, f"p = {self._p} outside [0, {self.capacity}]"
+        for order in (self._t1, self._t2):
+            stamps = list(order.values())
+            assert stamps == sorted(stamps), "release stamps out of order in T1/T2"
+
+
+class DBL(ARC):
+    """DBL(2c): ARC's lists with ``p`` frozen at c/2 (two static LRU halves)."""
+
+    name = "dbl"
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity, adaptive=False)

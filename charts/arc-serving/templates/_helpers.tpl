@@ -1,0 +1,173 @@
+{{/*
+Helpers for the arc-serving chart. Every helper is namespaced "arc-serving." so that a parent
+chart that vendors this one cannot collide with them.
+*/}}
+
+{{/*
+Chart name, from nameOverride. Kubernetes names are DNS-1123 labels of at most 63 characters.
+*/}}
+{{- define "arc-serving.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/*
+Fully qualified app name: the release name, suffixed with the chart name unless the release
+name already contains it. Truncated to 40 characters because components append "-" and a
+component name of at most 22 characters, and the result must stay a 63-character DNS-1123
+label without cutting into the suffix (two cut suffixes could collide): 40 + 1 + 22 = 63.
+*/}}
+{{- define "arc-serving.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 40 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 40 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 40 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/*
+A component's resource name: fullname + "-" + component (components are at most 22
+characters, see fullname). Call with (dict "context" $ "component" "operator").
+*/}}
+{{- define "arc-serving.componentName" -}}
+{{- printf "%s-%s" (include "arc-serving.fullname" .context) .component }}
+{{- end }}
+
+{{/*
+Chart label value: name-version, "+" replaced because label values may not contain it.
+*/}}
+{{- define "arc-serving.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/*
+Selector labels: stable for the life of a release (Deployment selectors are immutable).
+*/}}
+{{- define "arc-serving.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "arc-serving.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{/*
+Common labels on every object the chart renders.
+*/}}
+{{- define "arc-serving.labels" -}}
+helm.sh/chart: {{ include "arc-serving.chart" . }}
+{{ include "arc-serving.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: arc-serving
+{{- with .Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{/*
+Labels for one component. Call with (dict "context" $ "component" "operator").
+*/}}
+{{- define "arc-serving.componentLabels" -}}
+{{ include "arc-serving.labels" .context }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{/*
+Selector labels for one component. Call with (dict "context" $ "component" "operator").
+*/}}
+{{- define "arc-serving.componentSelectorLabels" -}}
+{{ include "arc-serving.selectorLabels" .context }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{/*
+Image reference: registry/repository:tag, or @digest when a digest pins it. The tag defaults
+to the chart's appVersion. Call with (dict "image" .Values.operator.image "context" $).
+*/}}
+{{- define "arc-serving.image" -}}
+{{- $repo := .image.repository }}
+{{- if .image.registry }}
+{{- $repo = printf "%s/%s" .image.registry .image.repository }}
+{{- end }}
+{{- if .image.digest }}
+{{- printf "%s@%s" $repo .image.digest }}
+{{- else }}
+{{- printf "%s:%s" $repo (default .context.Chart.AppVersion .image.tag | toString) }}
+{{- end }}
+{{- end }}
+
+{{/*
+The operator's ServiceAccount name.
+*/}}
+{{- define "arc-serving.operator.serviceAccountName" -}}
+{{- if .Values.operator.serviceAccount.create }}
+{{- default (include "arc-serving.componentName" (dict "context" . "component" "operator")) .Values.operator.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.operator.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{/*
+Name of the default ServingPolicy, which is also the name of the Deployment and Service the
+operator creates for it (conventions: Deployment NAME, Service NAME, ConfigMap NAME-policy).
+The schema caps servingPolicy.name at 56 so that the "-policy" ConfigMap (7 more) fits in 63.
+*/}}
+{{- define "arc-serving.servingPolicyName" -}}
+{{- default (include "arc-serving.fullname" .) .Values.servingPolicy.name }}
+{{- end }}
+
+{{/*
+The Service the ingress and the load test send requests to: ingress.serviceName, else the
+default ServingPolicy's Service.
+*/}}
+{{- define "arc-serving.servingServiceName" -}}
+{{- default (include "arc-serving.servingPolicyName" .) .Values.ingress.serviceName }}
+{{- end }}
+
+{{/*
+The served model name clients put in requests: servedName, else the model name itself.
+*/}}
+{{- define "arc-serving.servedModelName" -}}
+{{- default .Values.servingPolicy.model.name .Values.servingPolicy.model.servedName }}
+{{- end }}
+
+{{/*
+Base URL the load test replays against: loadtest.host, else the ingress (scheme from TLS),
+else the serving Service inside the cluster.
+*/}}
+{{- define "arc-serving.loadtestHost" -}}
+{{- if .Values.loadtest.host }}
+{{- .Values.loadtest.host }}
+{{- else if and .Values.ingress.enabled .Values.ingress.host }}
+{{- printf "%s://%s" (ternary "https" "http" .Values.ingress.tls.enabled) .Values.ingress.host }}
+{{- else }}
+{{- printf "http://%s.%s.svc:8000" (include "arc-serving.servingServiceName" .) .Release.Namespace }}
+{{- end }}
+{{- end }}
+
+{{/*
+Name of the ConfigMap holding the load-test trace: an existing one, or the chart's own.
+*/}}
+{{- define "arc-serving.loadtestTraceConfigMap" -}}
+{{- default (include "arc-serving.componentName" (dict "context" . "component" "loadtest-trace")) .Values.loadtest.trace.existingConfigMap }}
+{{- end }}
+
+{{/*
+Namespace the dashboard ConfigMaps go to (the Grafana sidecar may watch only its own).
+*/}}
+{{- define "arc-serving.dashboardsNamespace" -}}
+{{- default .Release.Namespace .Values.dashboards.namespace }}
+{{- end }}
+
+{{/*
+Relabelings shared by the engine PodMonitor and ServiceMonitor: every series gets the
+`servingpolicy` label (from the pod label arcserving.io/servingpolicy) that the dashboards and
+alerts group by; `namespace` and `pod` come from the Prometheus Operator itself (endpoint discovery for a
+ServiceMonitor also carries the backing pod's labels).
+*/}}
+{{- define "arc-serving.engineRelabelings" -}}
+- sourceLabels: [__meta_kubernetes_pod_label_arcserving_io_servingpolicy]
+  targetLabel: servingpolicy
+{{- end }}

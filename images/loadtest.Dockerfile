@@ -1,0 +1,33 @@
+# syntax=docker/dockerfile:1.7
+# The Locust trace replay (loadtest package); the chart's Job runs
+#   locust -f /app/loadtest/locustfile.py --headless --host URL --trace PATH ...
+# Build from the repository root:
+#   docker build -f images/loadtest.Dockerfile -t ghcr.io/arc-serving/loadtest:0.1.0 .
+
+FROM python:3.11.11-slim-bookworm AS wheel
+WORKDIR /src
+RUN pip install --no-cache-dir "build==1.2.2.post1"
+COPY pyproject.toml README.md ./
+COPY arc_evictor ./arc_evictor
+COPY loadtest ./loadtest
+COPY operator ./operator
+RUN python -m build --wheel --outdir /dist
+
+FROM python:3.11.11-slim-bookworm
+COPY --from=wheel /dist/ /tmp/dist/
+RUN whl=$(ls /tmp/dist/arc_serving-*.whl) \
+    && pip install --no-cache-dir "${whl}[loadtest]" "locust==2.47.0" "requests==2.34.2" \
+    && rm -rf /tmp/dist \
+    && useradd --uid 10001 --user-group --create-home --shell /usr/sbin/nologin locust
+# The locustfile at the path the chart's Job (and the conventions) name.
+COPY loadtest /app/loadtest
+ENV HOME=/home/locust \
+    PYTHONUNBUFFERED=1
+USER 10001:10001
+WORKDIR /home/locust
+# Master/worker traffic; 8089 is the web UI when run without --headless.
+EXPOSE 5557 8089
+# A batch process, not a server: Kubernetes Job status says whether it worked.
+HEALTHCHECK NONE
+ENTRYPOINT ["locust", "-f", "/app/loadtest/locustfile.py"]
+CMD ["--help"]

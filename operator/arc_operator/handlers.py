@@ -1,0 +1,298 @@
+"""kopf handlers for the ServingPolicy kind (run: ``kopf run -m arc_operator.handlers``).
+
+Create, update (of ``spec``), resume and the status timer all call one ``reconcile``:
+
+1. validate the spec (``models.parse_spec``); an invalid spec touches no child;
+2. apply the children (ConfigMap, Service, Deployment from ``manifests``), each owned by
+   the ServingPolicy via ``kopf.adopt`` so deleting it deletes them;
+3. read the Deployment's rollout and each ready pod's /metrics (policy, prefix-cache
+   counters), and write the whole status in one patch.
+
+Idempotency: a child is created only if it does not exist (a 409 from a concurrent create
+falls through to apply), and re-applied only when its manifest hash annotation differs or
+its fields drifted, so re-running any handler, or restarting the operator, converges
+without duplicates or needless writes.
+
+The timer's interval is fixed when the handlers are registered, so ``register`` takes the
+validated settings; importing this module registers them on kopf's default registry with
+the settings from the environment (an invalid variable stops the import, naming it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import hashlib
+import json
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import kopf
+
+from arc_operator import FINALIZER, GROUP, PLURAL, VERSION
+from arc_operator import manifests as mf
+from arc_operator.kube import ApiError, KubeApi, login, manifest_path, object_path
+from arc_operator.metrics import MetricsError, PodMetrics, hit_rate, parse_metrics
+from arc_operator.models import OperatorConfig, ServingPolicySpec, SpecError, parse_spec
+from arc_operator.status import Observation, Rollout, build_status, status_patch
+
+HASH_ANNOTATION = f"{GROUP}/manifest-hash"
+# How long kopf waits before retrying after a transient API error.
+RETRY_DELAY_S = 10.0
+# How long a running status/repair pass may take to finish when the operator stops.
+SHUTDOWN_GRACE_S = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class Runtime:
+    """Clients and settings shared by every handler; built once in on.startup."""
+
+    config: OperatorConfig
+    api: KubeApi
+    http: aiohttp.ClientSession
+
+
+def configure(settings: kopf.OperatorSettings) -> None:
+    """kopf settings: arc-serving names for its finalizer and annotations, standalone.
+
+    Standalone with CRD scanning off means kopf needs no peering objects and no CRD
+    access, which keeps the RBAC rules (``arc_operator.rbac``) minimal.
+    """
+    settings.persistence.finalizer = FINALIZER
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=GROUP)
+    settings.peering.standalone = True
+    settings.scanning.disabled = True
+    settings.posting.level = logging.INFO
+    # At shutdown, let a timer finish its pass (a few API calls) instead of orphaning it
+    # mid-request while on.cleanup closes the sessions it uses.
+    settings.background.instant_exit_timeout = SHUTDOWN_GRACE_S
+
+
+def manifest_hash(manifest: Mapping[str, Any]) -> str:
+    """A stable digest of a manifest (canonical JSON)."""
+    canonical = json.dumps(manifest, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+
+def is_subset(desired: Any, actual: Any) -> bool:
+    """Whether every field of ``desired`` is in ``actual`` with the same value.
+
+    Lists must match element by element; extra fields in ``actual`` (server defaults,
+    other labels) are ignored.
+    """
+    if isinstance(desired, Mapping):
+        return isinstance(actual, Mapping) and all(
+            key in actual and is_subset(value, actual[key]) for key, value in desired.items()
+        )
+    if isinstance(desired, list):
+        return (
+            isinstance(actual, list)
+            and len(desired) == len(actual)
+            and all(is_subset(d, a) for d, a in zip(desired, actual, strict=True))
+        )
+    return bool(desired == actual)
+
+
+async def apply_child(api: KubeApi, manifest: dict[str, Any]) -> str:
+    """Create or re-apply one child; returns "created", "applied" or "unchanged"."""
+    digest = manifest_hash(manifest)
+    manifest["metadata"].setdefault("annotations", {})[HASH_ANNOTATION] = digest
+    existing = await api.get(manifest_path(manifest))
+    if existing is None:
+        try:
+            await api.create(manifest)
+            return "created"
+        except ApiError as error:
+            if error.status != 409:  # 409: created concurrently; compare and apply below
+                raise
+            existing = await api.get(manifest_path(manifest))
+    annotations = (existing or {}).get("metadata", {}).get("annotations") or {}
+    if annotations.get(HASH_ANNOTATION) == digest and is_subset(manifest, existing):
+        return "unchanged"
+    await api.apply(manifest)
+    return "applied"
+
+
+async def apply_children(
+    api: KubeApi, body: kopf.Body, spec: ServingPolicySpec, logger: logging.Logger | Any
+) -> None:
+    """Apply every child of ``body`` in order, owned by it."""
+    for manifest in mf.children(body.meta.name or "", body.meta.namespace or "", spec):
+        kopf.adopt(manifest, owner=body)
+        outcome = await apply_child(api, manifest)
+        if outcome != "unchanged":
+            logger.info(f"{outcome} {manifest['kind']} {manifest['metadata']['name']}")
+
+
+def _pod_ready(pod: Mapping[str, Any]) -> bool:
+    status = pod.get("status") or {}
+    if pod.get("metadata", {}).get("deletionTimestamp") or not status.get("podIP"):
+        return False
+    return any(
+        c.get("type") == "Ready" and c.get("status") == "True"
+        for c in status.get("conditions") or []
+    )
+
+
+async def _read_pod(runtime: Runtime, pod: Mapping[str, Any]) -> PodMetrics | None:
+    ip = pod["status"]["podIP"]
+    host = f"[{ip}]" if ":" in ip else ip
+    url = f"http://{host}:{runtime.config.metrics_port}/metrics"
+    try:
+        timeout = aiohttp.ClientTimeout(total=runtime.config.scrape_timeout)
+        async with runtime.http.get(url, timeout=timeout) as response:
+            response.raise_for_status()
+            return parse_metrics(await response.text())
+    except (aiohttp.ClientError, TimeoutError, MetricsError):
+        return None
+
+
+async def scrape(
+    runtime: Runtime, namespace: str, name: str
+) -> tuple[dict[str, PodMetrics], int, set[str]]:
+    """Read every ready pod: (readings by pod name, unreachable count, live pod names)."""
+    pods = await runtime.api.list("v1", "pods", namespace, mf.selector_labels(name))
+    ready = [pod for pod in pods if _pod_ready(pod)]
+    readings = await asyncio.gather(*(_read_pod(runtime, pod) for pod in ready))
+    scraped = {
+        pod["metadata"]["name"]: reading
+        for pod, reading in zip(ready, readings, strict=True)
+        if reading is not None
+    }
+    live = {pod["metadata"]["name"] for pod in pods}
+    return scraped, len(ready) - len(scraped), live
+
+
+def _now() -> str:
+    return datetime.datetime.now(tz=datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+async def reconcile(
+    *,
+    body: kopf.Body,
+    spec: kopf.Spec,
+    status: kopf.Status,
+    patch: kopf.Patch,
+    memo: kopf.Memo,
+    logger: logging.Logger | Any,
+    strict: bool,
+) -> None:
+    """Bring the children to the spec and write the status (see the module doc).
+
+    ``strict`` (change handlers): an invalid spec also posts an ``InvalidSpec`` warning
+    event and fails the handler permanently; the timer only records it in the status.
+    """
+    runtime: Runtime = memo["runtime"]
+    # The change handlers and the timer of one object share its memo; one at a time, so
+    # the second sees the first's writes and makes none of its own.
+    lock: asyncio.Lock = memo.setdefault("lock", asyncio.Lock())
+    async with lock:
+        await _reconcile_locked(runtime, body, spec, status, patch, memo, logger, strict)
+
+
+async def _reconcile_locked(
+    runtime: Runtime,
+    body: kopf.Body,
+    spec: kopf.Spec,
+    status: kopf.Status,
+    patch: kopf.Patch,
+    memo: kopf.Memo,
+    logger: logging.Logger | Any,
+    strict: bool,
+) -> None:
+    name, namespace = body.meta.name or "", body.meta.namespace or ""
+    try:
+        parsed: ServingPolicySpec | None = parse_spec(spec)
+        error = None
+    except SpecError as problem:
+        parsed, error = None, str(problem)
+    try:
+        if parsed is not None:
+            await apply_children(runtime.api, body, parsed, logger)
+        deployment = await runtime.api.get(object_path("apps/v1", "deployments", namespace, name))
+        scraped, unreachable, live = await scrape(runtime, namespace, name)
+    except ApiError as problem:
+        raise kopf.TemporaryError(str(problem), delay=RETRY_DELAY_S) from problem
+
+    # Per-object memo: the previous readings of this object's pods, for the rate.
+    previous: dict[str, PodMetrics] = memo.get("readings", {})
+    memo["readings"] = {
+        **{pod: m for pod, m in previous.items() if pod in live},
+        **scraped,
+    }
+    seen = Observation(
+        generation=body.meta.get("generation"),
+        spec=parsed,
+        error=error,
+        rollout=Rollout.from_deployment(deployment),
+        scraped=scraped,
+        unreachable=unreachable,
+        hit_rate=hit_rate(previous, scraped),
+    )
+    patch.status.update(status_patch(build_status(seen, status, _now())))
+    if error is not None and strict:
+        kopf.warn(body, reason="InvalidSpec", message=error)
+        raise kopf.PermanentError(f"invalid spec, nothing changed: {error}")
+
+
+def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
+    """Register the ServingPolicy handlers on ``registry`` with ``config``."""
+
+    @kopf.on.startup(registry=registry)
+    async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+        configure(settings)
+        memo["runtime"] = Runtime(
+            config=config,
+            api=KubeApi(lambda: login(settings)),
+            http=aiohttp.ClientSession(),
+        )
+
+    @kopf.on.login(registry=registry)
+    def login_handler(settings: kopf.OperatorSettings, **_: Any) -> kopf.ConnectionInfo:
+        # One login for kopf's core and for KubeApi, so both act as the same identity.
+        return login(settings)
+
+    @kopf.on.cleanup(registry=registry)
+    async def cleanup(memo: kopf.Memo, **_: Any) -> None:
+        runtime: Runtime | None = memo.get("runtime")
+        if runtime is not None:
+            await runtime.api.close()
+            await runtime.http.close()
+
+    @kopf.on.resume(GROUP, VERSION, PLURAL, registry=registry)
+    @kopf.on.create(GROUP, VERSION, PLURAL, registry=registry)
+    @kopf.on.update(GROUP, VERSION, PLURAL, field="spec", registry=registry)
+    async def reconcile_on_change(
+        body: kopf.Body,
+        spec: kopf.Spec,
+        status: kopf.Status,
+        patch: kopf.Patch,
+        memo: kopf.Memo,
+        logger: logging.Logger,
+        **_: Any,
+    ) -> None:
+        await reconcile(
+            body=body, spec=spec, status=status, patch=patch, memo=memo, logger=logger, strict=True
+        )
+
+    @kopf.timer(GROUP, VERSION, PLURAL, interval=config.status_interval, registry=registry)
+    async def repair_and_report(
+        body: kopf.Body,
+        spec: kopf.Spec,
+        status: kopf.Status,
+        patch: kopf.Patch,
+        memo: kopf.Memo,
+        logger: logging.Logger,
+        **_: Any,
+    ) -> None:
+        await reconcile(
+            body=body, spec=spec, status=status, patch=patch, memo=memo, logger=logger, strict=False
+        )
+
+
+register(kopf.get_default_registry(), OperatorConfig.from_env(os.environ))

@@ -1,0 +1,204 @@
+"""Build a ServingPolicy's status from what the operator observed (pure functions).
+
+Conditions, rolled up the way KServe (knative's ConditionSet) does: ``Ready`` is the happy
+condition and depends on ``Valid``, the Deployment's rollout, and ``PolicyApplied``, checked
+in that order. Ready is True only when every dependency holds; otherwise it copies the
+reason and message of the first dependency that is False, or, if none is False, of the first
+that is Unknown. ``lastTransitionTime`` moves only when a condition's status changes.
+
+- ``Valid``: the spec passed validation (False: reason ``InvalidSpec``; nothing running was
+  changed).
+- ``PolicyApplied``: every ready pod reports the spec's policy on /metrics (True:
+  ``PolicyActive``; False: ``Switching`` while pods differ, or ``InvalidSpec``; Unknown:
+  ``NoReadyPods``, or ``MetricsUnavailable`` when a ready pod's /metrics could not be read;
+  True ``NoReplicas`` at 0 replicas).
+- ``Ready``: see above; at 0 replicas it is False with reason ``ScaledToZero``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from arc_operator.metrics import PodMetrics
+from arc_operator.models import (
+    Condition,
+    ConditionStatus,
+    Phase,
+    ServingPolicySpec,
+    ServingPolicyStatus,
+)
+
+VALID, POLICY_APPLIED, READY = "Valid", "PolicyApplied", "Ready"
+
+
+@dataclass(frozen=True, slots=True)
+class Rollout:
+    """The Deployment's progress, from its status (all zero before it exists)."""
+
+    replicas: int = 0
+    ready: int = 0
+    updated: int = 0
+
+    @classmethod
+    def from_deployment(cls, deployment: Mapping[str, Any] | None) -> Rollout:
+        """Read ``status.replicas``, ``readyReplicas`` and ``updatedReplicas``."""
+        status = (deployment or {}).get("status") or {}
+        return cls(
+            replicas=int(status.get("replicas") or 0),
+            ready=int(status.get("readyReplicas") or 0),
+            updated=int(status.get("updatedReplicas") or 0),
+        )
+
+    def complete(self, desired: int) -> bool:
+        """Every desired pod runs the current template and is ready; no old pod is left."""
+        return self.updated == desired and self.ready >= desired and self.replicas == desired
+
+
+@dataclass(frozen=True, slots=True)
+class Observation:
+    """Everything one status pass saw. ``scraped`` maps ready pods to their readings;
+    ``unreachable`` counts ready pods whose /metrics could not be read."""
+
+    generation: int | None
+    spec: ServingPolicySpec | None
+    error: str | None
+    rollout: Rollout
+    scraped: Mapping[str, PodMetrics]
+    unreachable: int
+    hit_rate: float | None
+
+
+def _condition(
+    previous: Sequence[Mapping[str, Any]],
+    type_: str,
+    status: ConditionStatus,
+    reason: str,
+    message: str,
+    generation: int | None,
+    now: str,
+) -> Condition:
+    old = next((c for c in previous if c.get("type") == type_), None)
+    since = old["lastTransitionTime"] if old and old.get("status") == status else now
+    return Condition(
+        type=type_,
+        status=status,
+        reason=reason,
+        message=message,
+        last_transition_time=since,
+        observed_generation=generation,
+    )
+
+
+def _policy_applied(seen: Observation) -> tuple[ConditionStatus, str, str]:
+    spec = seen.spec
+    if spec is None:
+        return (
+            ConditionStatus.FALSE,
+            "InvalidSpec",
+            "the spec is invalid; pods keep their previous policy",
+        )
+    wanted = spec.policy_name
+    if spec.replicas == 0:
+        return (
+            ConditionStatus.TRUE,
+            "NoReplicas",
+            f"no pods; the policy ConfigMap holds {wanted}",
+        )
+    if not seen.scraped and not seen.unreachable:
+        return ConditionStatus.UNKNOWN, "NoReadyPods", "no pod is ready yet"
+    if not seen.scraped:
+        return (
+            ConditionStatus.UNKNOWN,
+            "MetricsUnavailable",
+            f"no ready pod's /metrics could be read ({seen.unreachable} unreachable)",
+        )
+    reported = Counter(",".join(sorted(m.policies)) or "none" for m in seen.scraped.values())
+    agreeing = reported.pop(wanted, 0)
+    if reported:
+        others = ", ".join(f"{name} on {count}" for name, count in sorted(reported.items()))
+        return (
+            ConditionStatus.FALSE,
+            "Switching",
+            f"{agreeing} of {len(seen.scraped)} read pods report {wanted}; {others}",
+        )
+    if seen.unreachable:
+        return (
+            ConditionStatus.UNKNOWN,
+            "MetricsUnavailable",
+            f"{agreeing} pods report {wanted}; {seen.unreachable} could not be read",
+        )
+    return ConditionStatus.TRUE, "PolicyActive", f"all {agreeing} ready pods report {wanted}"
+
+
+def _ready(
+    seen: Observation, valid: Condition, applied: Condition
+) -> tuple[ConditionStatus, str, str]:
+    if valid.status is not ConditionStatus.TRUE:
+        return valid.status, valid.reason, valid.message
+    assert seen.spec is not None, "a Valid=True observation carries its spec"
+    desired = seen.spec.replicas
+    if desired == 0:
+        return ConditionStatus.FALSE, "ScaledToZero", "replicas is 0"
+    if not seen.rollout.complete(desired):
+        r = seen.rollout
+        return (
+            ConditionStatus.FALSE,
+            "RolloutInProgress",
+            f"{r.ready} ready and {r.updated} updated of {desired} desired pods "
+            f"({r.replicas} exist)",
+        )
+    if applied.status is not ConditionStatus.TRUE:
+        return applied.status, applied.reason, applied.message
+    return (
+        ConditionStatus.TRUE,
+        "Ready",
+        f"{desired} pods ready, serving with {seen.spec.policy.value}",
+    )
+
+
+def build_status(
+    seen: Observation, previous: Mapping[str, Any] | None, now: str
+) -> ServingPolicyStatus:
+    """The new status; ``previous`` is the current status (for transition times)."""
+    old_conditions = list((previous or {}).get("conditions") or [])
+
+    def condition(type_: str, verdict: tuple[ConditionStatus, str, str]) -> Condition:
+        return _condition(old_conditions, type_, *verdict, seen.generation, now)
+
+    if seen.spec is None:
+        valid = condition(VALID, (ConditionStatus.FALSE, "InvalidSpec", seen.error or ""))
+    else:
+        valid = condition(VALID, (ConditionStatus.TRUE, "SpecValid", "the spec is valid"))
+    applied = condition(POLICY_APPLIED, _policy_applied(seen))
+    ready = condition(READY, _ready(seen, valid, applied))
+
+    if seen.spec is None:
+        phase = Phase.INVALID
+    elif seen.spec.replicas == 0:
+        phase = Phase.STOPPED
+    elif ready.status is ConditionStatus.TRUE:
+        phase = Phase.READY
+    else:
+        phase = Phase.PROGRESSING
+    reported = sorted({p.upper() for m in seen.scraped.values() for p in m.policies})
+    return ServingPolicyStatus(
+        observed_generation=seen.generation,
+        phase=phase,
+        replicas=seen.rollout.replicas,
+        ready_replicas=seen.rollout.ready,
+        active_policy=",".join(reported) or None,
+        hit_rate=seen.hit_rate,
+        conditions=[valid, applied, ready],
+    )
+
+
+def status_patch(status: ServingPolicyStatus) -> dict[str, Any]:
+    """A JSON merge patch for ``.status``: unset optional fields become null (removed)."""
+    patch = status.model_dump(mode="json", by_alias=True, exclude={"conditions"})
+    patch["conditions"] = [
+        c.model_dump(mode="json", by_alias=True, exclude_none=True) for c in status.conditions
+    ]
+    return patch

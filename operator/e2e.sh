@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# End-to-end check on a real cluster (the one in KUBECONFIG): apply the CRD and the example
+# ServingPolicy, and wait until the operator (installed separately, e.g. by the Helm chart)
+# has reconciled it: status.observedGeneration set, Deployment/Service/ConfigMap present.
+# Prints "skipped: no cluster configured" and exits 0 when no cluster is reachable.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+KUBECTL="${KUBECTL:-kubectl}"
+NAMESPACE="${E2E_NAMESPACE:-default}"
+TIMEOUT_S="${E2E_TIMEOUT_S:-300}"
+
+if [[ -z "${KUBECONFIG:-}" ]] || ! command -v "$KUBECTL" >/dev/null \
+    || ! "$KUBECTL" version --request-timeout=5s >/dev/null 2>&1; then
+  echo "skipped: no cluster configured"
+  exit 0
+fi
+
+"$KUBECTL" apply -f charts/arc-serving/crds/servingpolicies.arcserving.io.yaml
+"$KUBECTL" wait --for=condition=Established --timeout=60s crd/servingpolicies.arcserving.io
+"$KUBECTL" -n "$NAMESPACE" apply -f operator/examples/servingpolicy-arc.yaml
+"$KUBECTL" -n "$NAMESPACE" wait --for=jsonpath='{.status.observedGeneration}'=1 \
+  --timeout="${TIMEOUT_S}s" servingpolicy/qwen-arc
+for object in deployment/qwen-arc service/qwen-arc configmap/qwen-arc-policy; do
+  "$KUBECTL" -n "$NAMESPACE" get "$object"
+done
+"$KUBECTL" -n "$NAMESPACE" get servingpolicy qwen-arc -o wide
+echo "e2e: ServingPolicy reconciled"

@@ -1,0 +1,147 @@
+"""Helpers shared by the Helm chart tests: the real helm 4 and promtool from .tools/bin.
+
+`make tools` fetches both (the Makefile's `test` target depends on it). The chart tests run
+`helm template` and read its output; helm-unittest is not installable offline.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import subprocess
+from collections.abc import Iterable, Mapping
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+CHART = REPO / "charts" / "arc-serving"
+TOOLS = REPO / ".tools" / "bin"
+CI_VALUES = sorted((CHART / "ci").glob("*.yaml"))
+CRD_FILE = CHART / "crds" / "servingpolicies.arcserving.io.yaml"
+RBAC_FILE = CHART / "files" / "operator-rbac-rules.yaml"
+ALERTS_FILE = CHART / "files" / "alerts.yaml"
+RELEASE = "rel"
+NAMESPACE = "llm"
+# Every helm call is bounded; rendering this chart takes well under a second.
+HELM_TIMEOUT_S = 60
+
+# The plugin's metric names (DESIGN.md, "Plugin contract"), as Prometheus exposes them.
+# The plugin will publish them as arc_evictor.vllm_plugin.metrics.METRIC_NAMES.
+PLUGIN_METRICS = frozenset(
+    {
+        "arc_evictor_policy_info",
+        "arc_evictor_block_queries_total",
+        "arc_evictor_block_hits_total",
+        "arc_evictor_ghost_hits_total",
+        "arc_evictor_evictions_total",
+        "arc_evictor_resident_blocks",
+        "arc_evictor_ghost_blocks",
+        "arc_evictor_target_recency_blocks",
+        "arc_evictor_policy_switches_total",
+    }
+)
+# Series every Prometheus target has.
+SCRAPE_METRICS = frozenset({"up"})
+
+
+def tool(name: str) -> Path:
+    """Path of a binary `make tools` installs; fails the test with the fix when absent."""
+    path = TOOLS / name
+    if not path.is_file():
+        pytest.fail(f"{path} is missing: run `make tools` (it fetches helm and promtool)")
+    return path
+
+
+def run(args: list[str | Path], cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
+    """Run a command with a time bound, capturing text output."""
+    return subprocess.run(
+        [str(arg) for arg in args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=HELM_TIMEOUT_S,
+        check=False,
+    )
+
+
+def helm_template(
+    *values_files: Path,
+    sets: Mapping[str, str] | None = None,
+    release: str = RELEASE,
+    extra: Iterable[str] = (),
+) -> subprocess.CompletedProcess[str]:
+    """`helm template` of the chart with values files and --set pairs (not checked)."""
+    args: list[str | Path] = [tool("helm"), "template", release, CHART, "--namespace", NAMESPACE]
+    for path in values_files:
+        args += ["--values", path]
+    for key, value in (sets or {}).items():
+        args += ["--set", f"{key}={value}"]
+    return run([*args, *extra])
+
+
+def render(
+    *values_files: Path, sets: Mapping[str, str] | None = None, release: str = RELEASE
+) -> list[dict[str, Any]]:
+    """The rendered objects (hooks and tests included); fails the test on a helm error."""
+    result = helm_template(*values_files, sets=sets, release=release)
+    if result.returncode != 0:
+        pytest.fail(f"helm template failed:\n{result.stderr}")
+    return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+
+
+def by_kind(objects: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    """The rendered objects of one kind, in output order."""
+    return [obj for obj in objects if obj["kind"] == kind]
+
+
+def one(objects: list[dict[str, Any]], kind: str) -> dict[str, Any]:
+    """The single rendered object of one kind."""
+    found = by_kind(objects, kind)
+    assert len(found) == 1, f"expected one {kind}, rendered {len(found)}"
+    return found[0]
+
+
+def ci_values(name: str) -> Path:
+    """A values variant under charts/arc-serving/ci/."""
+    path = CHART / "ci" / name
+    assert path.is_file(), f"missing values variant {path}"
+    return path
+
+
+@cache
+def vllm_metric_names() -> frozenset[str]:
+    """Series names vLLM's Prometheus logger exposes, read from the installed vllm source.
+
+    Every metric in vllm/v1/metrics/*.py is created as ``self._counter_cls(name=...)``,
+    ``_gauge_cls`` or ``_histogram_cls``; prometheus_client exposes a counter as
+    ``NAME_total`` and a histogram as ``NAME_bucket``/``_sum``/``_count``.
+    """
+    spec = importlib.util.find_spec("vllm")  # locates the package without importing it
+    assert spec is not None and spec.origin is not None, "vllm is not installed"
+    metrics_dir = Path(spec.origin).parent / "v1" / "metrics"
+    suffixes = {
+        "_counter_cls": ("_total",),
+        "_gauge_cls": ("",),
+        "_histogram_cls": ("_bucket", "_sum", "_count"),
+    }
+    names: set[str] = set()
+    for source in sorted(metrics_dir.glob("*.py")):
+        for node in ast.walk(ast.parse(source.read_text(encoding="utf-8"))):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+                continue
+            if node.func.attr not in suffixes:
+                continue
+            for keyword in node.keywords:
+                if keyword.arg == "name" and isinstance(keyword.value, ast.Constant):
+                    base = str(keyword.value.value).removesuffix("_total")
+                    names.update(base + suffix for suffix in suffixes[node.func.attr])
+    return frozenset(names)
+
+
+def known_metric_names() -> frozenset[str]:
+    """Every series name a dashboard or alert may query."""
+    return vllm_metric_names() | PLUGIN_METRICS | SCRAPE_METRICS

@@ -1,0 +1,91 @@
+"""The Dockerfiles under images/: pinned bases (no `latest`), a non-root final user, pinned
+packages, and the Makefile builds each of them.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from chart_helpers import REPO
+
+IMAGES = sorted((REPO / "images").glob("*.Dockerfile"))
+PINNED_TAG = re.compile(r"^[\w./-]+:[\w.-]*\d[\w.-]*(@sha256:[0-9a-f]{64})?( AS \w+)?$")
+
+
+def instructions(path: Path) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) pairs, continuation lines joined, comments dropped."""
+    text = path.read_text(encoding="utf-8")
+    lines = [line for line in text.splitlines() if not line.lstrip().startswith("#")]
+    joined = re.sub(r"\\\n\s*", " ", "\n".join(lines))
+    result = []
+    for line in joined.splitlines():
+        if line.strip():
+            keyword, _, args = line.strip().partition(" ")
+            result.append((keyword.upper(), args.strip()))
+    return result
+
+
+def test_the_four_images_exist() -> None:
+    assert [path.name for path in IMAGES] == [
+        "loadtest.Dockerfile",
+        "operator.Dockerfile",
+        "vllm-cpu.Dockerfile",
+        "vllm.Dockerfile",
+    ]
+
+
+@pytest.mark.parametrize("path", IMAGES, ids=lambda p: p.stem)
+def test_every_base_image_is_pinned(path: Path) -> None:
+    bases = [args for keyword, args in instructions(path) if keyword == "FROM"]
+    assert bases
+    for base in bases:
+        assert "latest" not in base, base
+        assert PINNED_TAG.match(base), f"{path.name}: unpinned base {base!r}"
+
+
+@pytest.mark.parametrize("path", IMAGES, ids=lambda p: p.stem)
+def test_final_stage_runs_as_non_root(path: Path) -> None:
+    steps = instructions(path)
+    last_from = max(i for i, (keyword, _) in enumerate(steps) if keyword == "FROM")
+    users = [args for keyword, args in steps[last_from:] if keyword == "USER"]
+    assert users, f"{path.name}: the final stage never sets USER"
+    user = users[-1].split(":")[0]
+    assert user not in {"root", "0"}, path.name
+
+
+@pytest.mark.parametrize("path", IMAGES, ids=lambda p: p.stem)
+def test_installed_packages_are_pinned(path: Path) -> None:
+    for keyword, args in instructions(path):
+        if keyword != "RUN":
+            continue
+        for command in re.split(r"&&", args):
+            words = command.split()
+            if "install" not in words:
+                continue
+            if words[0] in {"apt-get"}:
+                packages = [w for w in words[words.index("install") + 1 :] if not w.startswith("-")]
+                assert packages and all("=" in p for p in packages), command
+            if "pip" in words[:4]:
+                packages = [
+                    w.strip('"')
+                    for w in words[words.index("install") + 1 :]
+                    if not w.startswith("-") and "arc_serving" not in w and "whl" not in w
+                ]
+                assert all("==" in p for p in packages), command
+
+
+@pytest.mark.parametrize("path", IMAGES, ids=lambda p: p.stem)
+def test_dockerignore_sends_only_the_sources(path: Path) -> None:
+    ignore = path.with_name(path.name + ".dockerignore")
+    lines = ignore.read_text(encoding="utf-8").splitlines()
+    assert "*" in lines and "!arc_evictor/" in lines
+
+
+def test_make_images_builds_every_dockerfile() -> None:
+    makefile = (REPO / "Makefile").read_text(encoding="utf-8")
+    listed = re.search(r"^IMAGES := (.+)$", makefile, flags=re.MULTILINE)
+    assert listed
+    built = sorted(listed.group(1).split())
+    assert built == sorted(path.name.removesuffix(".Dockerfile") for path in IMAGES)

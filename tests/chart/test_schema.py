@@ -1,0 +1,193 @@
+"""values.schema.json rejects bad values (helm 4 enforces it on install, upgrade and template),
+the templates reject what a schema cannot express, and values.yaml documents every value.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import jsonschema
+import pytest
+import yaml
+from chart_helpers import CHART, CRD_FILE, helm_template
+
+from arc_evictor.policies import policy_names
+
+SCHEMA = json.loads((CHART / "values.schema.json").read_text(encoding="utf-8"))
+VALUES_TEXT = (CHART / "values.yaml").read_text(encoding="utf-8")
+TRACE = "loadtest.trace"
+
+
+@pytest.mark.parametrize(
+    ("sets", "message"),
+    [
+        pytest.param(
+            {"servingPolicy.policy": "FIFO"}, "/servingPolicy/policy", id="unknown-policy"
+        ),
+        pytest.param(
+            {"servingPolicy.policy": "arc"}, "/servingPolicy/policy", id="lower-case-policy"
+        ),
+        pytest.param(
+            {"servingPolicy.replicas": "-1"}, "/servingPolicy/replicas", id="negative-replicas"
+        ),
+        pytest.param(
+            {"servingPolicy.switchMode": "Live"}, "/servingPolicy/switchMode", id="switch-mode"
+        ),
+        pytest.param(
+            {"servingPolicy.cache.numBlocks": "4096"},
+            "/servingPolicy/cache': 'oneOf' failed",
+            id="both-cache-sizes",
+        ),
+        pytest.param(
+            {"servingPolicy.cache.gpuMemoryUtilization": "null"},
+            "/servingPolicy/cache': 'oneOf' failed",
+            id="no-cache-size",
+        ),
+        pytest.param(
+            {"servingPolicy.cache.gpuMemoryUtilization": "1.5"},
+            "/servingPolicy/cache/gpuMemoryUtilization",
+            id="utilization-above-one",
+        ),
+        pytest.param(
+            {"servingPolicy.cache.blockSize": "24"},
+            "/servingPolicy/cache/blockSize",
+            id="block-size-not-multiple-of-16",
+        ),
+        pytest.param(
+            {"servingPolicy.name": "Bad_Name"}, "/servingPolicy/name", id="servingpolicy-name"
+        ),
+        pytest.param({"replicas": "2"}, "additional properties 'replicas'", id="unknown-key"),
+        pytest.param({"operator.logLevel": "loud"}, "/operator/logLevel", id="operator-log-level"),
+        pytest.param(
+            {"ingress.enabled": "true", "ingress.tls.enabled": "true"},
+            "/ingress",
+            id="tls-without-host",
+        ),
+        pytest.param({"ingress.pathType": "Regex"}, "/ingress/pathType", id="ingress-path-type"),
+        pytest.param(
+            {"monitoring.podMonitor.interval": "often"},
+            "/monitoring/podMonitor/interval",
+            id="scrape-interval",
+        ),
+        pytest.param(
+            {"loadtest.enabled": "true"}, f"/{TRACE.replace('.', '/')}", id="load-test-no-trace"
+        ),
+        pytest.param(
+            {
+                "loadtest.enabled": "true",
+                f"{TRACE}.inline": "{}",
+                f"{TRACE}.existingConfigMap": "t",
+            },
+            f"/{TRACE.replace('.', '/')}",
+            id="load-test-two-traces",
+        ),
+        pytest.param({"loadtest.workers": "0"}, "/loadtest/workers", id="load-test-no-workers"),
+        pytest.param(
+            {f"{TRACE}.format": "csv"}, f"/{TRACE.replace('.', '/')}/format", id="trace-format"
+        ),
+        pytest.param({"loadtest.runTime": "ten minutes"}, "/loadtest/runTime", id="run-time"),
+        pytest.param(
+            {"operator.image.digest": "sha256:abc"}, "/operator/image/digest", id="digest"
+        ),
+    ],
+)
+def test_schema_rejects_bad_values(sets: dict[str, str], message: str) -> None:
+    result = helm_template(sets=sets)
+    assert result.returncode != 0, f"accepted {sets}"
+    assert "values don't meet the specifications of the schema" in result.stderr
+    assert message in result.stderr, result.stderr
+    assert not result.stdout.strip(), "nothing is rendered for rejected values"
+
+
+@pytest.mark.parametrize(
+    ("sets", "message"),
+    [
+        pytest.param(
+            {
+                "servingPolicy.cache.numBlocks": "100",
+                "servingPolicy.cache.gpuMemoryUtilization": "0",
+            },
+            "numBlocks * blockSize = 1600 tokens cannot hold one request of maxModelLen = 8192",
+            id="cache-smaller-than-one-request",
+        ),
+        pytest.param(
+            {"prometheusRule.enabled": "true", "prometheusRule.disabledAlerts[0]": "Nope"},
+            'prometheusRule.disabledAlerts: unknown alert "Nope"; the chart\'s alerts are: '
+            "ArcServingPrefixCacheHitRateDrop",
+            id="unknown-alert",
+        ),
+    ],
+)
+def test_templates_reject_what_the_schema_cannot_express(
+    sets: dict[str, str], message: str
+) -> None:
+    result = helm_template(sets=sets)
+    assert result.returncode != 0
+    assert message in result.stderr, result.stderr
+
+
+def test_policy_enum_is_the_operators_policy_list() -> None:
+    schema_enum = SCHEMA["properties"]["servingPolicy"]["properties"]["policy"]["enum"]
+    crd = yaml.safe_load(CRD_FILE.read_text(encoding="utf-8"))
+    spec = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    assert schema_enum == [name.upper() for name in policy_names()]
+    assert schema_enum == spec["properties"]["policy"]["enum"]
+
+
+def test_default_values_satisfy_the_schema() -> None:
+    values = yaml.safe_load(VALUES_TEXT)
+    jsonschema.Draft7Validator(SCHEMA).validate(values)
+
+
+def test_values_file_links_its_schema() -> None:
+    assert VALUES_TEXT.startswith("# yaml-language-server: $schema=values.schema.json\n")
+
+
+def leaf_paths(node: Any, prefix: str = "") -> set[str]:
+    """Dotted paths of the values: leaves, empty maps and lists (users fill those in)."""
+    if isinstance(node, dict) and node:
+        paths: set[str] = set()
+        for key, value in node.items():
+            paths |= leaf_paths(value, f"{prefix}.{key}" if prefix else str(key))
+        return paths
+    return {prefix}
+
+
+def test_every_value_is_documented_with_a_param_line() -> None:
+    documented = set(re.findall(r"^\s*## @param (\S+) ", VALUES_TEXT, flags=re.MULTILINE))
+    values = yaml.safe_load(VALUES_TEXT)
+    # Resource and security-context maps are documented as a whole.
+    whole = {
+        "operator.resources",
+        "operator.podSecurityContext",
+        "operator.containerSecurityContext",
+        "loadtest.resources",
+        "loadtest.podSecurityContext",
+        "loadtest.containerSecurityContext",
+        "ingress.annotations",
+        "dashboards.labels",
+        "dashboards.annotations",
+    }
+    expected = {
+        path
+        for path in leaf_paths(values)
+        if not any(path.startswith(f"{prefix}.") for prefix in whole)
+    } | whole
+    assert sorted(expected - documented) == [], "values without a ## @param line"
+    assert sorted(documented - expected) == [], "## @param lines for values that do not exist"
+
+
+def test_every_schema_property_has_a_value_or_is_optional() -> None:
+    """The schema and values.yaml describe the same tree (no stale schema branches)."""
+    values = yaml.safe_load(VALUES_TEXT)
+
+    def walk(schema: dict[str, Any], node: Any, path: str) -> None:
+        for key in schema.get("required", []):
+            assert isinstance(node, dict) and key in node, f"{path}.{key} required but unset"
+        for key, sub in schema.get("properties", {}).items():
+            if isinstance(node, dict) and key in node and sub.get("type") == "object":
+                walk(sub, node[key], f"{path}.{key}")
+
+    walk(SCHEMA, values, "")

@@ -1,0 +1,123 @@
+"""Open-loop scheduling, session ordering and the worker partition."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gevent
+import pytest
+from conftest import conversation_records, write_lines
+
+from arc_evictor.traces import TraceError, TraceRequest, load_trace
+from loadtest.schedule import Dispatcher, DispatchTiming, PlannedRequest, partition, plan_replay
+
+
+def make_request(index: int, timestamp_s: float, chat_id: int | None = None,
+                 parent_id: int | None = None) -> TraceRequest:  # fmt: skip
+    return TraceRequest(
+        index=index, line=index + 1, timestamp_s=timestamp_s, input_length=16,
+        output_length=1, hash_ids=(index,), keys=(index,), block_tokens=16,
+        chat_id=chat_id, parent_id=parent_id,
+    )  # fmt: skip
+
+
+def test_due_times_are_trace_offsets_scaled() -> None:
+    plan = plan_replay([make_request(0, 10.0), make_request(1, 12.0)], time_scale=0.25)
+    assert [p.due_s for p in plan] == [0.0, 0.5]
+
+
+def test_turns_link_to_their_parent_and_session_root() -> None:
+    requests = [make_request(0, 0, 1), make_request(1, 1, 2), make_request(2, 2, 3, parent_id=1),
+                make_request(3, 3, 4, parent_id=3)]  # fmt: skip
+    plan = plan_replay(requests, 1.0)
+    assert [(p.parent, p.session) for p in plan] == [(None, 0), (None, 1), (0, 0), (2, 0)]
+
+
+def test_parent_outside_the_trace_gates_nothing() -> None:
+    plan = plan_replay([make_request(0, 0, 5, parent_id=99)], 1.0)
+    assert plan[0].parent is None
+
+
+def test_duplicate_chat_id_names_the_line() -> None:
+    with pytest.raises(TraceError, match=r"t\.jsonl:2: chat_id 1 already used on line 1"):
+        plan_replay([make_request(0, 0, 1), make_request(1, 1, 1)], 1.0, path="t.jsonl")
+
+
+def test_parent_after_its_child_names_the_line() -> None:
+    with pytest.raises(TraceError, match=r"t\.jsonl:1: parent_chat_id 2 appears after"):
+        plan_replay([make_request(0, 0, 1, parent_id=2), make_request(1, 1, 2)], 1.0,
+                    path="t.jsonl")  # fmt: skip
+
+
+def test_bad_time_scale_is_refused() -> None:
+    with pytest.raises(ValueError, match="time_scale must be > 0"):
+        plan_replay([make_request(0, 0)], 0.0)
+
+
+@pytest.mark.parametrize("parts", [1, 2, 3, 5])
+def test_partition_sends_every_request_once_and_keeps_sessions_whole(
+    tmp_path: Path, parts: int
+) -> None:
+    trace = write_lines(tmp_path / "t.jsonl", conversation_records(sessions=7, turns=3))
+    plan = plan_replay(load_trace(trace, block_tokens=32), 1.0)
+    shares = [partition(plan, part, parts) for part in range(parts)]
+    indexes = sorted(p.request.index for share in shares for p in share)
+    assert indexes == list(range(len(plan)))
+    owner = {p.session: n for n, share in enumerate(shares) for p in share}
+    assert all(owner[p.session] == n for n, share in enumerate(shares) for p in share)
+    assert all(shares)  # 7 sessions are enough for every part to get one
+
+
+def test_partition_rejects_a_part_out_of_range() -> None:
+    with pytest.raises(ValueError, match="part must be in"):
+        partition([], 2, 2)
+
+
+def run(plan: list[PlannedRequest], service_s: float) -> list[tuple[str, int, float]]:
+    """Dispatch with a send that takes ``service_s``; returns (event, index, time) in order."""
+    events: list[tuple[str, int, float]] = []
+
+    def send(planned: PlannedRequest, timing: DispatchTiming) -> None:
+        events.append(("sent", planned.request.index, timing.sent_s))
+        gevent.sleep(service_s)
+        events.append(("done", planned.request.index, 0.0))
+
+    dispatcher = Dispatcher(plan, send)
+    dispatcher.start()
+    assert dispatcher.join(timeout=10), "dispatcher did not finish"
+    return events
+
+
+def test_open_loop_sends_without_waiting_for_earlier_answers() -> None:
+    plan = plan_replay([make_request(i, i * 0.02) for i in range(4)], 1.0)
+    events = run(plan, service_s=0.3)
+    kinds = [kind for kind, _, _ in events]
+    assert kinds == ["sent"] * 4 + ["done"] * 4  # all four in flight before any answer
+
+
+def test_session_turn_waits_for_its_parent_to_finish() -> None:
+    requests = [make_request(0, 0.0, 1), make_request(1, 0.01, 2, parent_id=1),
+                make_request(2, 0.02, 3)]  # fmt: skip
+    timings: dict[int, DispatchTiming] = {}
+
+    def send(planned: PlannedRequest, timing: DispatchTiming) -> None:
+        timings[planned.request.index] = timing
+        gevent.sleep(0.2)
+
+    dispatcher = Dispatcher(plan_replay(requests, 1.0), send)
+    dispatcher.start()
+    assert dispatcher.join(timeout=10)
+    assert timings[1].sent_s >= timings[0].sent_s + 0.2  # after turn 1's answer
+    assert timings[1].held_s > 0.1  # and the wait is reported as hold, not as lag
+    assert timings[2].sent_s < timings[0].sent_s + 0.2  # the other session is not held
+
+
+def test_stop_abandons_the_rest_of_the_schedule() -> None:
+    sent: list[int] = []
+    plan = plan_replay([make_request(0, 0.0), make_request(1, 30.0)], 1.0)
+    dispatcher = Dispatcher(plan, lambda p, t: sent.append(p.request.index))
+    dispatcher.start()
+    gevent.sleep(0.05)
+    dispatcher.stop()
+    gevent.sleep(0.05)
+    assert sent == [0] and dispatcher.sent == 1

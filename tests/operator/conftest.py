@@ -1,0 +1,227 @@
+"""Fixtures for the operator tests: kmock's in-memory Kubernetes API, a real /metrics
+server on 127.0.0.1, and the real kopf operator running in-process against them."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import kmock
+import kopf
+import pytest
+import pytest_asyncio
+import yaml
+from aiohttp import web
+from arc_operator import GROUP, KIND, PLURAL, VERSION
+from arc_operator.handlers import register
+from arc_operator.models import OperatorConfig
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+
+NAMESPACE = "serving"
+SP_RESOURCE = kmock.resource(GROUP, VERSION, PLURAL)
+DEPLOYMENTS = kmock.resource("apps", "v1", "deployments")
+SERVICES = kmock.resource("", "v1", "services")
+CONFIGMAPS = kmock.resource("", "v1", "configmaps")
+PODS = kmock.resource("", "v1", "pods")
+EVENTS = kmock.resource("", "v1", "events")
+# Fast timer for tests; the default (30 s) is what clusters use.
+STATUS_INTERVAL_S = 0.3
+
+
+def make_spec(**overrides: Any) -> dict[str, Any]:
+    """A valid ServingPolicy spec (CPU-sized), with top-level fields replaced."""
+    spec: dict[str, Any] = {
+        "model": {"name": "Qwen/Qwen2.5-0.5B-Instruct", "servedName": "qwen"},
+        "image": "ghcr.io/arc-serving/vllm:0.1.0",
+        "replicas": 1,
+        "policy": "LRU",
+        "switchMode": "Hot",
+        "cache": {"blockSize": 16, "numBlocks": 512},
+        "maxModelLen": 4096,
+        "resources": {"gpus": 1, "cpu": "4", "memory": "16Gi"},
+    }
+    spec.update(overrides)
+    return spec
+
+
+def make_servingpolicy(name: str, spec: dict[str, Any], generation: int = 1) -> dict[str, Any]:
+    """A ServingPolicy as the API server would store it (uid and generation set)."""
+    return {
+        "apiVersion": f"{GROUP}/{VERSION}",
+        "kind": KIND,
+        "metadata": {
+            "name": name,
+            "namespace": NAMESPACE,
+            "uid": f"uid-{name}",
+            "generation": generation,
+            # kopf's timer patches test resourceVersion (optimistic locking); kmock keeps
+            # what it is given, so the test sets it as the API server would.
+            "resourceVersion": str(generation),
+        },
+        "spec": spec,
+    }
+
+
+def metrics_text(policy: str | None, hits: float, queries: float) -> str:
+    """A real Prometheus exposition of what a vLLM pod with the plugin shows."""
+    registry = CollectorRegistry()
+    labels = {"model_name": "qwen", "engine": "0"}
+    Counter("vllm:prefix_cache_hits", "hits", list(labels), registry=registry).labels(**labels).inc(
+        hits
+    )
+    Counter("vllm:prefix_cache_queries", "queries", list(labels), registry=registry).labels(
+        **labels
+    ).inc(queries)
+    info = Gauge("arc_evictor_policy_info", "active policy", ["policy"], registry=registry)
+    if policy is not None:
+        info.labels(policy=policy).set(1)
+    return generate_latest(registry).decode()
+
+
+class PodMetricsServer:
+    """A /metrics endpoint on 127.0.0.1 standing in for every pod (all pods use one port)."""
+
+    def __init__(self) -> None:
+        self.text = metrics_text("lru", 0, 0)
+        self.port = 0
+        self.scrapes = 0
+
+    async def handle(self, request: web.Request) -> web.Response:
+        self.scrapes += 1
+        return web.Response(text=self.text, content_type="text/plain")
+
+
+@pytest_asyncio.fixture
+async def pod_metrics() -> AsyncIterator[PodMetricsServer]:
+    server = PodMetricsServer()
+    app = web.Application()
+    app.router.add_get("/metrics", server.handle)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    server.port = runner.addresses[0][1]
+    yield server
+    await runner.cleanup()
+
+
+@pytest.fixture
+def cluster(kmock: kmock.KubernetesEmulator, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """kmock serving the kinds the operator uses, and a kubeconfig pointing at it."""
+    kmock.resources[SP_RESOURCE] = kmock.ResourceInfo(
+        kind=KIND,
+        singular="servingpolicy",
+        namespaced=True,
+        verbs={"get", "list", "watch", "patch"},
+        shortnames={"sp"},
+        subresources={"status"},
+    )
+    for resource, kind in [
+        (DEPLOYMENTS, "Deployment"),
+        (SERVICES, "Service"),
+        (CONFIGMAPS, "ConfigMap"),
+        (PODS, "Pod"),
+        (EVENTS, "Event"),
+    ]:
+        kmock.resources[resource] = kmock.ResourceInfo(
+            kind=kind, namespaced=True, verbs={"get", "list", "watch", "create", "patch"}
+        )
+    # kopf waits for these to be discoverable, as they are in every real cluster.
+    kmock.resources[kmock.resource("", "v1", "namespaces")] = kmock.ResourceInfo(
+        kind="Namespace", namespaced=False, verbs={"get", "list", "watch"}
+    )
+    crds = kmock.resource("apiextensions.k8s.io", "v1", "customresourcedefinitions")
+    kmock.resources[crds] = kmock.ResourceInfo(
+        kind="CustomResourceDefinition", namespaced=False, verbs={"get", "list", "watch"}
+    )
+    config = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "current-context": "kmock",
+        "contexts": [{"name": "kmock", "context": {"cluster": "kmock", "user": "kmock"}}],
+        "clusters": [{"name": "kmock", "cluster": {"server": str(kmock.url).rstrip("/")}}],
+        "users": [{"name": "kmock", "user": {"token": "test-token"}}],
+    }
+    path = tmp_path / "kubeconfig"
+    path.write_text(yaml.safe_dump(config))
+    monkeypatch.setenv("KUBECONFIG", str(path))
+    return kmock
+
+
+class RunningOperator:
+    """The real kopf operator with arc-serving's handlers, in its own thread and loop.
+
+    kopf owns its event loop (at exit it cancels every task left in it), so it cannot
+    share the test's loop, where kmock and the /metrics server run.
+    """
+
+    def __init__(self, config: OperatorConfig) -> None:
+        self.config = config
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+
+    def _run(self, ready: threading.Event) -> None:
+        registry = kopf.OperatorRegistry()
+        register(registry, self.config)
+        asyncio.run(
+            kopf.operator(
+                registry=registry,
+                settings=kopf.OperatorSettings(),
+                clusterwide=True,
+                stop_flag=self._stop,
+                ready_flag=ready,
+                memo=kopf.Memo(),
+            )
+        )
+
+    async def start(self) -> None:
+        self._stop = threading.Event()
+        ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(ready,), daemon=True)
+        self._thread.start()
+        assert await asyncio.to_thread(ready.wait, 10), "kopf did not start within 10 s"
+
+    async def stop(self) -> None:
+        if self._thread is not None:
+            self._stop.set()
+            await asyncio.to_thread(self._thread.join, 15)
+            assert not self._thread.is_alive(), "kopf did not stop within 15 s"
+            self._thread = None
+
+
+@pytest_asyncio.fixture
+async def operator(cluster, pod_metrics: PodMetricsServer) -> AsyncIterator[RunningOperator]:
+    running = RunningOperator(
+        OperatorConfig(metrics_port=pod_metrics.port, status_interval=STATUS_INTERVAL_S)
+    )
+    await running.start()
+    yield running
+    await running.stop()
+
+
+async def eventually(check: Callable[[], Any], timeout: float = 10.0) -> Any:
+    """Poll ``check`` until it returns a truthy value; fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    last_error: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            result = check()
+            if result:
+                return result
+        except (KeyError, AssertionError) as error:
+            last_error = error
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"condition not met within {timeout}s (last error: {last_error!r})")
+
+
+def stored(kube: kmock.KubernetesEmulator, resource: Any, name: str) -> dict[str, Any] | None:
+    """The current stored object, or None if absent or deleted."""
+    key = (resource, NAMESPACE, name)
+    if key not in kube.objects or kube.objects[key].deleted:
+        return None
+    return copy.deepcopy(dict(kube.objects[key].raw))

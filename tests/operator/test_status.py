@@ -1,0 +1,98 @@
+"""Pure tests of /metrics parsing, the hit rate and the condition roll-up."""
+
+from __future__ import annotations
+
+import pytest
+from arc_operator.metrics import MetricsError, PodMetrics, hit_rate, parse_metrics
+from arc_operator.models import parse_spec
+from arc_operator.status import Observation, Rollout, build_status
+
+from tests.operator.conftest import make_spec, metrics_text
+
+NOW, LATER = "2026-01-01T00:00:00Z", "2026-01-01T00:01:00Z"
+
+
+def observe(spec=None, *, error=None, ready=1, scraped=None, unreachable=0, rate=None):
+    return Observation(
+        generation=3,
+        spec=spec,
+        error=error,
+        rollout=Rollout(replicas=ready, ready=ready, updated=ready),
+        scraped=scraped or {},
+        unreachable=unreachable,
+        hit_rate=rate,
+    )
+
+
+def pods(*policies: str) -> dict[str, PodMetrics]:
+    return {f"p{i}": PodMetrics(frozenset({p}), 0, 0) for i, p in enumerate(policies)}
+
+
+def conditions(status) -> dict[str, tuple[str, str]]:
+    return {c.type: (c.status.value, c.reason) for c in status.conditions}
+
+
+def test_parse_metrics_reads_policy_and_prefix_counters() -> None:
+    reading = parse_metrics(metrics_text("arc", hits=30, queries=40))
+    assert reading == PodMetrics(frozenset({"arc"}), 30.0, 40.0)
+    assert parse_metrics(metrics_text(None, 0, 0)).policies == frozenset()
+
+
+def test_malformed_metrics_text_is_an_error() -> None:
+    with pytest.raises(MetricsError):
+        parse_metrics("vllm:prefix_cache_hits_total{engine=0 1\n")
+
+
+def test_hit_rate_is_over_the_interval_and_survives_a_counter_reset() -> None:
+    before = {"a": PodMetrics(frozenset(), 100, 200), "b": PodMetrics(frozenset(), 50, 100)}
+    after = {"a": PodMetrics(frozenset(), 130, 240), "b": PodMetrics(frozenset(), 10, 60)}
+    # a: +30/+40; b restarted: counts from zero, 10/60.
+    assert hit_rate(before, after) == pytest.approx(40 / 100)
+    assert hit_rate({}, after) is None
+    assert hit_rate(after, after) is None
+
+
+def test_ready_when_valid_rolled_out_and_policy_active() -> None:
+    spec = parse_spec(make_spec(policy="ARC", replicas=2))
+    status = build_status(observe(spec, ready=2, scraped=pods("arc", "arc"), rate=0.5), None, NOW)
+    assert conditions(status) == {
+        "Valid": ("True", "SpecValid"),
+        "PolicyApplied": ("True", "PolicyActive"),
+        "Ready": ("True", "Ready"),
+    }
+    assert (status.phase.value, status.active_policy, status.hit_rate) == ("Ready", "ARC", 0.5)
+
+
+def test_ready_copies_the_first_failing_dependency() -> None:
+    spec = parse_spec(make_spec(policy="ARC", replicas=2))
+    switching = build_status(observe(spec, ready=2, scraped=pods("arc", "lru")), None, NOW)
+    assert conditions(switching)["Ready"] == ("False", "Switching")
+    assert switching.active_policy == "ARC,LRU"
+    rolling = build_status(observe(spec, ready=1, scraped=pods("lru")), None, NOW)
+    assert conditions(rolling)["Ready"] == ("False", "RolloutInProgress")
+    unknown = build_status(observe(spec, ready=2, unreachable=2), None, NOW)
+    assert conditions(unknown)["Ready"] == ("Unknown", "MetricsUnavailable")
+
+
+def test_invalid_spec_rolls_up_to_not_ready() -> None:
+    status = build_status(observe(error="spec.replicas: bad"), None, NOW)
+    assert conditions(status)["Valid"] == ("False", "InvalidSpec")
+    assert conditions(status)["Ready"] == ("False", "InvalidSpec")
+    assert status.phase.value == "Invalid"
+
+
+def test_transition_time_moves_only_when_status_changes() -> None:
+    spec = parse_spec(make_spec(policy="ARC"))
+    first = build_status(observe(spec, scraped=pods("arc")), None, NOW)
+    previous = {"conditions": [c.model_dump(by_alias=True) for c in first.conditions]}
+    same = build_status(observe(spec, scraped=pods("arc")), previous, LATER)
+    assert {c.last_transition_time for c in same.conditions} == {NOW}
+    changed = build_status(observe(spec, scraped=pods("lru")), previous, LATER)
+    times = {c.type: c.last_transition_time for c in changed.conditions}
+    assert times == {"Valid": NOW, "PolicyApplied": LATER, "Ready": LATER}
+
+
+def test_scaled_to_zero_is_stopped() -> None:
+    status = build_status(observe(parse_spec(make_spec(replicas=0)), ready=0), None, NOW)
+    assert status.phase.value == "Stopped"
+    assert conditions(status)["Ready"] == ("False", "ScaledToZero")

@@ -1,0 +1,98 @@
+"""ARC's and DBL's order: the paper's rules, including pinning (DESIGN.md)."""
+
+from __future__ import annotations
+
+from policy_support import access, drain, run_plain, victims, zipf_keys
+
+from arc_evictor.policies import ARC, DBL
+
+# c = 5: five keys seen twice fill T2, then 6, 7, 8 each seen twice push 1, 2, 3 to B2,
+# 9 pushes 4 to B2, and 10 and 11 push 9 and 10 to B1 (the 2c bound drops 1 from B2).
+B1_TWO_B2_THREE = [*"12345" * 2, *"667788", "9", "10", "11"]
+
+
+def test_first_access_goes_to_t1_and_a_hit_moves_it_to_t2() -> None:
+    policy = ARC(4)
+    run_plain(policy, "ab")
+    assert policy.list_sizes() == {"t1": 2, "t2": 0, "b1": 0, "b2": 0}
+    run_plain(policy, "a")
+    assert policy.list_sizes() == {"t1": 1, "t2": 1, "b1": 0, "b2": 0}
+
+
+def test_setup_leaves_two_b1_and_three_b2_ghosts() -> None:
+    policy = ARC(5)
+    assert victims(policy, B1_TWO_B2_THREE) == ["1", "2", "3", "4", "9", "10"]
+    assert policy.list_sizes() == {"t1": 1, "t2": 4, "b1": 2, "b2": 3}
+    assert policy.target == 0.0
+
+
+def test_b1_ghost_hit_raises_p_by_b2_over_b1_as_a_float() -> None:
+    policy = ARC(5)
+    run_plain(policy, B1_TWO_B2_THREE)
+    evicted = victims(policy, ["9"])
+    assert policy.target == 1.5  # max(1, |B2| / |B1|) = 3 / 2
+    # |T1| = 1 is not above p, so REPLACE takes T2's LRU; the ghost comes back into T2.
+    assert evicted == ["5"]
+    assert policy.list_sizes() == {"t1": 1, "t2": 4, "b1": 1, "b2": 4}
+    assert policy.counters.ghost_hits == {"b1": 1}
+
+
+def test_b2_ghost_hit_lowers_p_by_at_least_one_and_not_below_zero() -> None:
+    policy = ARC(5)
+    run_plain(policy, [*B1_TWO_B2_THREE, "9"])
+    run_plain(policy, ["2"])  # B2 hit: |B1| / |B2| = 1 / 4, so the step is 1
+    assert policy.target == 0.5
+    assert policy.counters.ghost_hits == {"b1": 1, "b2": 1}
+    run_plain(policy, ["3"])
+    assert policy.target == 0.0
+
+
+def test_replace_takes_t1_when_the_key_is_in_b2_and_t1_equals_p() -> None:
+    # c = 3: d pushes b to B1; b and c come back from B1 (p 0 -> 1 -> 2), pushing c to B1
+    # and a to B2; a's B2 hit lowers p to 1 = |T1|, so REPLACE takes T1's d, not T2's b.
+    policy = ARC(3)
+    assert victims(policy, "aabcdbc") == ["b", "c", "a"]
+    assert policy.target == 2.0
+    assert victims(policy, "a") == ["d"]
+    assert policy.target == 1.0
+    assert policy.list_sizes() == {"t1": 0, "t2": 3, "b1": 1, "b2": 0}
+
+
+def test_pinned_t1_falls_back_to_t2_and_leaves_p() -> None:
+    policy = ARC(3)
+    run_plain(policy, "bb")  # b in T2
+    access(policy, "a")
+    access(policy, "c")  # T1 = a, c, both pinned
+    assert victims(policy, "d") == ["b"]  # REPLACE picks T1 (|T1| = 2 > p = 0)
+    assert policy.target == 0.0
+    assert policy.list_sizes() == {"t1": 3, "t2": 0, "b1": 0, "b2": 1}
+    assert policy.counters.evictions == {"t2": 1}
+
+
+def test_pinned_t2_falls_back_to_t1_and_leaves_p() -> None:
+    policy = DBL(4)  # p = 2
+    run_plain(policy, "c")  # c in T1
+    for key in "ab":
+        access(policy, key)
+        policy.unpin(key)
+        access(policy, key)  # a, b in T2, both pinned
+    run_plain(policy, "d")
+    # |T1| = 2 is not above p = 2, so REPLACE picks T2, whose blocks are all pinned.
+    assert victims(policy, "e") == ["c"]
+    assert policy.target == 2.0
+
+
+def test_dbl_keeps_p_at_half_the_cache_on_ghost_hits() -> None:
+    policy = DBL(5)
+    for key in zipf_keys(2000, 0.8, 40, seed=11):
+        run_plain(policy, [key])
+        assert policy.target == 2.5
+    assert policy.counters.ghost_hits["b1"] > 0
+    assert policy.counters.ghost_hits["b2"] > 0
+    assert policy.describe() == "dbl"
+
+
+def test_released_t2_keys_leave_in_release_order() -> None:
+    policy = ARC(4)
+    run_plain(policy, "abab")
+    assert drain(policy) == ["a", "b"]

@@ -1,0 +1,206 @@
+"""The EvictionPolicy contract, run against every registered policy.
+
+Each policy file (test_lru.py, test_arc.py, ...) adds only tests of its own ordering.
+"""
+
+from __future__ import annotations
+
+import pytest
+from policy_support import access, run_plain, zipf_keys
+
+from arc_evictor.policies import EvictionPolicy, PolicyError, make_policy, policy_names
+
+pytestmark = pytest.mark.parametrize("name", policy_names())
+
+
+def snapshot(policy: EvictionPolicy) -> tuple[object, ...]:
+    """Everything observable about a policy's state."""
+    return (
+        policy.list_sizes(),
+        list(policy.resident_keys()),
+        len(policy),
+        policy.target,
+        dict(policy.counters.evictions),
+        dict(policy.counters.ghost_hits),
+    )
+
+
+def warmed(name: str, capacity: int = 8, *, pinned: tuple[int, ...] = ()) -> EvictionPolicy:
+    """A policy after a skewed workload with ghost hits, then ``pinned`` keys held."""
+    policy = make_policy(name, capacity)
+    run_plain(policy, zipf_keys(400, 1.0, 30, seed=7), verify=True)
+    for key in pinned:
+        access(policy, key)
+    policy.verify()
+    return policy
+
+
+def test_new_policy_is_empty(name: str) -> None:
+    policy = make_policy(name, 4)
+    assert len(policy) == 0
+    assert policy.to_evict() is None
+    assert list(policy.resident_keys()) == []
+    assert set(policy.list_sizes().values()) == {0}
+    policy.verify()
+
+
+def test_registry_builds_the_named_policy(name: str) -> None:
+    policy = make_policy(name.upper(), 4)
+    assert policy.name == name
+    assert policy.capacity == 4
+    assert policy.describe().startswith(name)
+
+
+def test_list_names_match_declared_lists(name: str) -> None:
+    policy = warmed(name)
+    sizes = policy.list_sizes()
+    assert list(sizes) == [*policy.resident_lists, *policy.ghost_lists]
+    assert sum(sizes[list_name] for list_name in policy.resident_lists) == len(policy)
+
+
+def test_inserted_key_is_resident_and_pinned(name: str) -> None:
+    policy = make_policy(name, 4)
+    assert not access(policy, "a")
+    assert "a" in policy
+    assert len(policy) == 1
+    assert policy.to_evict() is None
+
+
+def test_released_key_is_hit_and_evictable(name: str) -> None:
+    policy = make_policy(name, 4)
+    access(policy, "a")
+    policy.unpin("a")
+    assert policy.to_evict() == "a"
+    assert access(policy, "a")
+    assert policy.to_evict() is None
+
+
+def test_to_evict_never_names_a_pinned_key(name: str) -> None:
+    policy = make_policy(name, 4)
+    for key in "abcd":
+        access(policy, key)
+    policy.unpin("c")
+    assert policy.to_evict() == "c"
+
+
+def test_to_evict_changes_nothing(name: str) -> None:
+    policy = warmed(name, pinned=(0, 1))
+    before = snapshot(policy)
+    victims = {policy.to_evict() for _ in range(3)}
+    assert snapshot(policy) == before
+    assert len(victims) == 1
+    policy.verify()
+
+
+def test_evict_forgets_the_victim(name: str) -> None:
+    policy = warmed(name, pinned=(0,))
+    victim = policy.to_evict()
+    assert victim is not None and victim != 0
+    size = len(policy)
+    policy.evict(victim)
+    policy.verify()
+    assert victim not in policy
+    assert victim not in set(policy.resident_keys())
+    assert len(policy) == size - 1
+    assert not policy.find(victim)
+
+
+def test_evict_counts_one_eviction_on_a_resident_list(name: str) -> None:
+    policy = warmed(name)
+    before = dict(policy.counters.evictions)
+    policy.evict(policy.to_evict())
+    after = policy.counters.evictions
+    changed = {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
+    assert list(changed.values()) == [1]
+    assert set(changed) <= set(policy.resident_lists)
+
+
+def test_remove_forgets_the_key(name: str) -> None:
+    policy = warmed(name, pinned=(0,))
+    key = next(k for k in policy.resident_keys() if k != 0)
+    size = len(policy)
+    policy.remove(key)
+    policy.verify()
+    assert key not in policy
+    assert len(policy) == size - 1
+    assert key not in set(policy.resident_keys())
+
+
+def test_remove_of_a_pinned_key_raises_and_changes_nothing(name: str) -> None:
+    policy = warmed(name, pinned=(0,))
+    before = snapshot(policy)
+    with pytest.raises((KeyError, PolicyError)):
+        policy.remove(0)
+    assert snapshot(policy) == before
+    policy.verify()
+
+
+def test_remove_of_a_non_resident_key_raises_and_changes_nothing(name: str) -> None:
+    # Keys 0..29 were all accessed; the evicted ones may be ghosts (ARC, DBL, S3-FIFO).
+    policy = warmed(name)
+    before = snapshot(policy)
+    for key in (k for k in range(30) if k not in policy):
+        with pytest.raises((KeyError, PolicyError)):
+            policy.remove(key)
+    assert snapshot(policy) == before
+    policy.verify()
+
+
+def test_unpin_of_an_unknown_key_raises_and_changes_nothing(name: str) -> None:
+    policy = warmed(name)
+    before = snapshot(policy)
+    with pytest.raises((KeyError, PolicyError)):
+        policy.unpin("never seen")
+    assert snapshot(policy) == before
+
+
+def test_resident_keys_lists_each_resident_key_once(name: str) -> None:
+    policy = warmed(name, pinned=(0, 1))
+    keys = list(policy.resident_keys())
+    assert len(keys) == len(set(keys)) == len(policy)
+    assert all(key in policy for key in keys)
+
+
+def test_full_pool_of_pinned_keys_has_no_victim(name: str) -> None:
+    policy = make_policy(name, 3)
+    for key in "abc":
+        access(policy, key)
+    assert policy.to_evict() is None
+
+
+def test_pool_never_exceeds_capacity(name: str) -> None:
+    policy = make_policy(name, 5)
+    run_plain(policy, range(50), verify=True)
+    assert len(policy) == 5
+
+
+def test_capacity_one_caches_the_last_key(name: str) -> None:
+    policy = make_policy(name, 1)
+    assert run_plain(policy, ["a", "a", "b", "b", "a"], verify=True) == 2
+    assert list(policy.resident_keys()) == ["a"]
+
+
+def test_clear_forgets_every_key_and_history(name: str) -> None:
+    policy = warmed(name)
+    keys = list(policy.resident_keys())
+    evictions = dict(policy.counters.evictions)
+    policy.clear()
+    policy.verify()
+    assert len(policy) == 0
+    assert set(policy.list_sizes().values()) == {0}
+    assert not any(key in policy for key in keys)
+    assert policy.counters.evictions == evictions
+    assert run_plain(policy, range(8), verify=True) == 0
+    assert len(policy) == 8
+
+
+def test_unknown_policy_name_lists_the_valid_names(name: str) -> None:
+    with pytest.raises(PolicyError, match="unknown eviction policy 'belady'") as error:
+        make_policy("belady", 4)
+    assert name in str(error.value)
+
+
+@pytest.mark.parametrize("capacity", [0, -1])
+def test_capacity_below_one_is_rejected(name: str, capacity: int) -> None:
+    with pytest.raises(PolicyError, match="capacity must be at least 1"):
+        make_policy(name, capacity)
