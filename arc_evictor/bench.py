@@ -3,8 +3,9 @@
 1. Policy core: block accesses per second for each policy in sequential mode on
    a generated document-QA trace of about one million block accesses, and each
    policy's time relative to LRU's.
-2. vLLM adapter (when vLLM is installed): the same request stream through vLLM's
-   own BlockPool with its native LRU free queue and with the plugin's policies.
+2. vLLM adapter: the same request stream through vLLM's own BlockPool with its
+   native LRU free queue and with the plugin's policies, and the ratio.
+3. Load test: the open-loop dispatcher's lag at several request rates.
 
 Figures vary with the machine; ratios from one run are what to compare.
 """
@@ -13,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import importlib.util
 import sys
 import tempfile
 import time
@@ -90,13 +90,26 @@ def main(argv: list[str] | None = None) -> int:
             f"{row['policy']:<8} {row['accesses_per_second']:>12,.0f} {row['seconds']:>8.3f} "
             f"{row['time_vs_lru']:>8.2f}x {row['block_hit_rate']:>9.3f}"
         )
-    if importlib.util.find_spec("vllm") is not None:
-        from arc_evictor.vllm_plugin.bench import main as bench_vllm_block_pool
+    # Imported here: vLLM takes seconds to import and gevent patches nothing until used.
+    from arc_evictor.vllm_plugin.bench import bench_block_pool
+    from loadtest.bench import bench_dispatch
 
-        print()
-        bench_vllm_block_pool()
-    else:
-        print("\nvLLM adapter: skipped (vllm is not installed)")
+    print("\nvLLM adapter: one sequential request stream through vLLM 0.32's BlockPool")
+    print(f"{'pool':<12} {'policy':<7} {'block ops':>10} {'hit blocks':>10} {'ns/op':>8} {'ratio':>7}")
+    for row in bench_block_pool():
+        print(
+            f"{row['pool']:<12} {row['policy']:<7} {row['block_ops']:>10,} {row['hit_blocks']:>10,} "
+            f"{row['ns_per_block_op']:>8.1f} {row['ratio_vs_native']:>6.2f}x"
+        )
+    print("\nload test: open-loop dispatch lag (client work per request, no server)")
+    print(f"{'rate/s':>7} {'requests':>9} {'lag p50 ms':>11} {'p90 ms':>8} {'p99 ms':>8}")
+    for rate in (5.0, 20.0, 50.0):
+        result = bench_dispatch(rate_rps=rate, requests=int(rate * 10))
+        lag = result["dispatch_lag_s"]
+        print(
+            f"{rate:>7.0f} {result['requests']:>9} {lag['p50'] * 1000:>11.1f} "
+            f"{lag['p90'] * 1000:>8.1f} {lag['p99'] * 1000:>8.1f}"
+        )
     return 0
 
 

@@ -222,6 +222,9 @@ def read_trace(
                     raise TraceError(
                         path, line_no, "neither Mooncake nor Qwen-Bailian form (no 'hash_ids')"
                     )
+            form = detect_format(record)
+            if form is not None and form != chosen:
+                raise TraceError(path, line_no, f"a {form} line in a {chosen} trace")
             tokens = block_tokens or BLOCK_TOKENS[chosen]
             try:
                 request = _parse(record, chosen, index, line_no, chains, tokens)

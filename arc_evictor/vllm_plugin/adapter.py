@@ -556,7 +556,7 @@ def install(
         finally:
             on_step()
 
-    _installed.update(policy=policy_name, originals=(orig_manager_init, orig_allocate_slots))
+    _installed["policy"] = policy_name
     kv_cache_coordinator.BlockPool = make_pool  # type: ignore[assignment,misc]
     kv_cache_manager.KVCacheManager.__init__ = manager_init  # type: ignore[method-assign]
     kv_cache_manager.KVCacheManager.allocate_slots = allocate_slots  # type: ignore[method-assign]
