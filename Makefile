@@ -84,3 +84,9 @@ clean:
 .PHONY: e2e
 e2e:
 	bash operator/e2e.sh
+
+# Issue 7's evaluation: every policy and Belady on the Mooncake sample and generated doc-QA and
+# conversation traces (seeds 0-2), sequential and overlapping, at 5/10/20/40% of distinct blocks.
+# Writes tables (txt, JSON, CSV), one plot per trace and mode, and the traces to out/evaluate/.
+evaluate: $(STAMP)
+	$(PY) -m arc_evictor.cli evaluate --out $(OUT)/evaluate

@@ -95,11 +95,14 @@ def main(argv: list[str] | None = None) -> int:
     from loadtest.bench import bench_dispatch
 
     print("\nvLLM adapter: one sequential request stream through vLLM 0.32's BlockPool")
-    print(f"{'pool':<12} {'policy':<7} {'block ops':>10} {'hit blocks':>10} {'ns/op':>8} {'ratio':>7}")
+    print(
+        f"{'pool':<12} {'policy':<7} {'block ops':>10} {'hit blocks':>10} {'ns/op':>8} {'ratio':>7}"
+    )
     for row in bench_block_pool():
         print(
-            f"{row['pool']:<12} {row['policy']:<7} {row['block_ops']:>10,} {row['hit_blocks']:>10,} "
-            f"{row['ns_per_block_op']:>8.1f} {row['ratio_vs_native']:>6.2f}x"
+            f"{row['pool']:<12} {row['policy']:<7} {row['block_ops']:>10,} "
+            f"{row['hit_blocks']:>10,} {row['ns_per_block_op']:>8.1f} "
+            f"{row['ratio_vs_native']:>6.2f}x"
         )
     print("\nload test: open-loop dispatch lag (client work per request, no server)")
     print(f"{'rate/s':>7} {'requests':>9} {'lag p50 ms':>11} {'p90 ms':>8} {'p99 ms':>8}")

@@ -3,6 +3,7 @@
     arc-evictor simulate TRACE --policy lru,dbl,arc --capacity 1000,10% [--sequential]
                          [--format auto] [--json] [--plot FILE.png]
     arc-evictor generate docqa|conversation --out FILE [--form bailian] [--seed 0] ...
+    arc-evictor evaluate [--out out/evaluate] [--seeds 0,1,2] [--capacity 5,10,20,40] [--check]
 
 Bad input (an unknown policy, a malformed trace line, a bad capacity) prints one
 line naming the problem to stderr and exits with status 2 before any work.
@@ -111,6 +112,36 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _evaluate(args: argparse.Namespace) -> int:
+    # Imported here: the evaluation pulls in matplotlib, which the other commands do not need.
+    from arc_evictor.evaluate import EvaluationConfig, check_targets, run_evaluation, table
+
+    try:
+        seeds = tuple(int(seed) for seed in args.seeds.split(","))
+        percents = tuple(float(item.rstrip("%")) for item in args.capacity.split(","))
+    except ValueError:
+        raise UsageError(
+            f"--seeds {args.seeds!r} and --capacity {args.capacity!r} must be comma-separated"
+            " numbers"
+        ) from None
+    modes = ("sequential", "overlapping") if args.mode == "both" else (args.mode,)
+    try:
+        config = EvaluationConfig(
+            candidate=args.candidate.strip().lower(),
+            seeds=seeds,
+            capacity_percents=percents,
+            modes=modes,
+        )
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    rows = run_evaluation(config, args.out, lambda line: print(line, file=sys.stderr))
+    print(table(rows))
+    misses = check_targets(rows)
+    print(f"\nresults, plots and traces in {args.out}")
+    print(f"{config.candidate}: {len(misses)} target misses" + "".join(f"\n  {m}" for m in misses))
+    return 1 if misses and args.check else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="arc-evictor", description="Prefix-cache eviction policies: simulate and generate."
@@ -157,6 +188,21 @@ def build_parser() -> argparse.ArgumentParser:
                     option, type=kind, dest=field.name, help=f"default {field.default}"
                 )
     generate.set_defaults(run=_generate)
+
+    evaluate = commands.add_parser(
+        "evaluate", help="issue 7's evaluation: every policy and Belady on the evaluation traces"
+    )
+    evaluate.add_argument("--out", type=Path, default=Path("out/evaluate"), help="output folder")
+    evaluate.add_argument("--seeds", default="0,1,2", help="generator seeds, comma-separated")
+    evaluate.add_argument(
+        "--capacity", default="5,10,20,40", help="capacities in percent of distinct blocks"
+    )
+    evaluate.add_argument("--mode", default="both", choices=["both", "sequential", "overlapping"])
+    evaluate.add_argument("--candidate", default="garc", help="the policy judged against targets")
+    evaluate.add_argument(
+        "--check", action="store_true", help="exit with status 1 when a target is missed"
+    )
+    evaluate.set_defaults(run=_evaluate)
     return parser
 
 

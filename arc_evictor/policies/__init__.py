@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 from arc_evictor.policies.arc import ARC, DBL
 from arc_evictor.policies.base import EvictionPolicy, Key, PolicyError
+from arc_evictor.policies.garc import GARC
 from arc_evictor.policies.lru import LRU
 from arc_evictor.policies.s3fifo import S3FIFO
 from arc_evictor.policies.sieve import Sieve
@@ -22,6 +23,7 @@ REGISTRY: dict[str, PolicyFactory] = {
     "arc": ARC,
     "s3fifo": S3FIFO,
     "sieve": Sieve,
+    "garc": GARC,
 }
 
 
@@ -46,6 +48,7 @@ def make_policy(name: str, capacity: int) -> EvictionPolicy:
 __all__ = [
     "ARC",
     "DBL",
+    "GARC",
     "LRU",
     "REGISTRY",
     "S3FIFO",

@@ -147,18 +147,19 @@ class ARC(EvictionPolicy):
         return None
 
     def evict(self, key: Key) -> None:
+        evictions = self.counters.evictions  # counted inline: this is the hot path
         if self._where[key] == T1:
             del self._t1[key]
             self._t1_size -= 1
             self._b1[key] = None
             self._where[key] = B1
-            self.counters.count_eviction("t1")
+            evictions["t1"] = evictions.get("t1", 0) + 1
         else:
             del self._t2[key]
             self._t2_size -= 1
             self._b2[key] = None
             self._where[key] = B2
-            self.counters.count_eviction("t2")
+            evictions["t2"] = evictions.get("t2", 0) + 1
 
     def remove(self, key: Key) -> None:
         # Check before changing anything: a pinned key is in neither order, a ghost in

@@ -13,15 +13,17 @@ simulator's (``arc_evictor.pool.BlockPool``) on the same trace.
 Where blocks live (vLLM's own free queue keeps only blocks without a hash):
 
 - ``free_block_queue``: free blocks without a hash, reused first, LIFO as vLLM does;
-- ``_copies[key]``: the blocks holding ``key`` (``[0]`` is the primary, the one vLLM's
-  ``get_one_block`` returns); a resident policy key always has at least one copy;
+- ``_primary[key]``: the block holding ``key`` that vLLM's ``get_one_block`` returns, for every
+  resident policy key; ``_spare[key]``: the further copies, oldest first (rare, so the common
+  path keeps no list per key); ``_key_of[block_id]``: the key a block holds or is pending for;
 - a free block with a hash is the only copy of an unpinned resident key: the policy names it
   when it is to be evicted. A second copy of a key (vLLM recomputed a block another request
   holds) is dropped from the prefix cache as soon as its last user releases it.
 
 Mapping of ``BlockPool`` calls (DESIGN.md's call protocol for the policy):
 
-- ``touch`` (ref 0 -> 1 of a cached block: a committed hit): ``find`` + ``pin``;
+- ``touch`` (ref 0 -> 1 of a cached block: a committed hit): ``pin`` then ``find``, the
+  order of ``arc_evictor.policies.base`` (a policy never re-orders a block ``pin`` takes out);
 - ``get_new_blocks``: knows the incoming keys of the request being allocated (set by the
   ``allocate_slots``/``allocate_new_blocks`` wrappers) and runs the order of the simulator's
   ``arc_evictor.pool.BlockPool.take``: first every incoming key already resident is taken
@@ -39,8 +41,12 @@ Invariants (``verify`` checks them):
   (no hash) or it is the single copy of an unpinned resident key;
 - ``get_num_free_blocks() == free_block_queue.num_free_blocks + _num_evictable`` is the number
   of non-null blocks with ``ref_cnt == 0`` (the scheduler admits requests by it);
-- the policy's resident keys are exactly the keys of ``_copies``; a key is pinned in the policy
-  exactly when its primary copy has ``ref_cnt > 0``; a key with two copies has every copy held.
+- the policy's resident keys are exactly the keys of ``_primary``; a key is pinned in the
+  policy exactly when its primary copy has ``ref_cnt > 0``; a key with spare copies has every
+  copy held; ``_key_of`` maps back exactly the primary, spare and pending blocks.
+
+Cost: per block operation the hot paths do what vLLM's free queue does plus one ``_key_of``
+read and the policy calls of the protocol (``arc_evictor.vllm_plugin.bench`` measures both).
 """
 
 from __future__ import annotations
@@ -57,7 +63,6 @@ from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_utils import (
     BlockHashWithGroupId,
     KVCacheBlock,
-    make_block_hash_with_group_id,
     resolve_block_hashes,
 )
 from vllm.v1.core.sched import scheduler as vllm_scheduler
@@ -100,32 +105,43 @@ class _Allocation:
         self.block_size = 0
         self.group_id = 0
 
-    def keys(self, pool: PolicyBlockPool, count: int) -> list[Key | None]:
-        """The prefix-cache key each of the next ``count`` new blocks will get (None: no key)."""
-        if self.start is None:
+    def keys(self, hash_block_size: int, count: int) -> list[Key | None]:
+        """The prefix-cache key each of the next ``count`` new blocks will get (None: no key).
+
+        A key is built as vLLM's ``make_block_hash_with_group_id`` builds it (the block hash,
+        then the group id in 4 big-endian bytes), inline because this runs for every allocated
+        block; a test holds the two equal.
+        """
+        start = self.start
+        if start is None:
             return [None] * count
-        hashes = resolve_block_hashes(
-            self.request.block_hashes, pool.hash_block_size, self.block_size
-        )
-        end = len(hashes)
-        return [
-            make_block_hash_with_group_id(hashes[i], self.group_id) if i < end else None
-            for i in range(self.start, self.start + count)
-        ]
+        hashes = resolve_block_hashes(self.request.block_hashes, hash_block_size, self.block_size)
+        group = self.group_id.to_bytes(4, "big")
+        keys: list[Key | None] = [h + group for h in hashes[start : start + count]]
+        if len(keys) < count:
+            keys += [None] * (count - len(keys))
+        return keys
 
 
 class PolicyBlockPool(BlockPool):
     """vLLM's ``BlockPool`` with every eviction decision made by an ``EvictionPolicy``.
 
-    See the module docstring for the invariants and the call mapping.
+    See the module docstring for the invariants and the call mapping. The hot paths (``touch``,
+    ``get_new_blocks``, ``free_blocks``) do per block one list read of ``_key_of`` and the
+    policy calls the protocol asks for; the rare cases (second copies, keys that were never
+    cached) leave the loop for helper methods.
     """
 
     def __init__(self, *args: Any, policy_name: str, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         # Cacheable capacity: every block but the null block.
         self.policy: EvictionPolicy = make_policy(policy_name, self.num_gpu_blocks - 1)
-        self._copies: dict[Key, list[KVCacheBlock]] = {}  # owned here; [0] is the primary
-        self._key_of: dict[int, Key] = {}  # block id -> key, for every copy and pending block
+        # Owned here; the keys of ``_primary`` are exactly the policy's resident keys, so the
+        # pool tests residency with a dict lookup instead of a policy call.
+        self._primary: dict[Key, KVCacheBlock] = {}  # the copy vLLM's get_one_block returns
+        self._spare: dict[Key, list[KVCacheBlock]] = {}  # further copies, all held; rare
+        # Owned here: block id -> the key the block holds or is pending for (None: no key).
+        self._key_of: list[Key | None] = [None] * self.num_gpu_blocks
         self._num_evictable = 0  # unpinned resident keys = free blocks that hold a hash
         self.allocation: _Allocation | None = None  # owned by the manager wrappers
         # Plugin counters (metrics read them): committed hits, queried blocks, switches.
@@ -139,104 +155,136 @@ class PolicyBlockPool(BlockPool):
 
     # ----------------------------------------------------------------------------- hits
     def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
-        policy, counting = self.policy, self.allocation is not None
+        policy, key_of, metrics = self.policy, self._key_of, self.metrics_collector
+        pin, find = policy.pin, policy.find
+        hits = pinned = 0
         for block in blocks:
-            if block.is_null:
-                block.ref_cnt += 1
-                continue
-            key = self._key_of.get(block.block_id)
+            key = key_of[block.block_id]
             if key is None:
+                if block.is_null:
+                    block.ref_cnt += 1
+                    continue
                 if block.ref_cnt == 0:
                     self.free_block_queue.remove(block)
             else:
-                policy.find(key)
                 if block.ref_cnt == 0:
-                    # Only a single, unpinned copy can be free (module invariant).
-                    policy.pin(key)
-                    self._num_evictable -= 1
-                if counting:
-                    self.block_hits += 1
+                    # Only a single, unpinned copy can be free (module invariant). The
+                    # protocol pins a cached key before its find.
+                    pin(key)
+                    pinned += 1
+                find(key)
+                hits += 1
             block.ref_cnt += 1
-            if self.metrics_collector:
-                self.metrics_collector.on_block_accessed(block)
+            if metrics:
+                metrics.on_block_accessed(block)
+        self._num_evictable -= pinned
+        if self.allocation is not None:
+            self.block_hits += hits
 
     # ------------------------------------------------------------------------ allocation
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         if num_blocks > self.get_num_free_blocks():
             raise ValueError(f"Cannot get {num_blocks} free blocks from the pool")
         allocation = self.allocation
-        keys = (
-            allocation.keys(self, num_blocks)
-            if allocation is not None and self.enable_caching
-            else [None] * num_blocks
-        )
-        if allocation is not None:
+        if allocation is None:
+            keys: list[Key | None] = [None] * num_blocks
+        else:
+            keys = (
+                allocation.keys(self.hash_block_size, num_blocks)
+                if self.enable_caching
+                else [None] * num_blocks
+            )
             # Later calls in the same allocation (another group, a CoW block) get no keys.
             allocation.start = None
-        policy = self.policy
+        policy, primaries, key_of = self.policy, self._primary, self._key_of
+        find, metrics = policy.find, self.metrics_collector
         out: list[KVCacheBlock | None] = [None] * num_blocks
         # Pass 1, tail first: incoming keys already resident are taken before any eviction.
+        misses: list[int] = []
         for i in range(num_blocks - 1, -1, -1):
             key = keys[i]
-            if key is None or key not in policy:
-                continue
-            policy.find(key)
-            copies = self._copies[key]
-            primary = copies[0]
-            if primary.ref_cnt == 0:
-                # The free copy holds exactly the KV the request would recompute: hand it back
-                # (out of the prefix cache until cache_full_blocks re-hashes it).
+            primary = primaries.get(key)  # type: ignore[arg-type]  (None is never a key)
+            if primary is None:
+                misses.append(i)
+            elif primary.ref_cnt == 0:
+                # The free copy holds exactly the KV the request would recompute: hand it
+                # back (out of the prefix cache until cache_full_blocks re-hashes it).
                 policy.pin(key)
+                find(key)
                 self._num_evictable -= 1
-                self._drop_hashes(primary)
+                self._maybe_evict_cached_block(primary)
+                primary.ref_cnt = 1
+                if metrics:
+                    metrics.on_block_allocated(primary)
                 out[i] = primary
             else:
-                keys[i] = None  # held elsewhere: this block becomes a second copy when cached
+                find(key)
+                keys[i] = None  # held elsewhere: this block becomes a second copy if cached
+                misses.append(i)
         # Pass 2, tail first: the misses, each making room before it is inserted.
-        for i in range(num_blocks - 1, -1, -1):
-            if out[i] is not None:
-                continue
+        queue = self.free_block_queue
+        evicted = 0
+        for i in misses:
             key = keys[i]
-            miss = key is not None and key not in policy
-            if miss:
-                policy.find(key)  # a ghost hit adapts ARC's target before the victim is chosen
-            block = self._take_free_block()
-            if miss:
+            if key is not None:
+                if key in primaries:
+                    key = None  # a repeated key, inserted earlier in this pass: a second copy
+                else:
+                    find(key)  # a ghost hit adapts ARC's target before the victim is chosen
+            if queue.num_free_blocks:
+                block = queue.popleft()
+            else:
+                # No block without a hash is free: evict the policy's victim. An unpinned key
+                # has a single copy (module invariant), so there is no spare to promote.
+                victim = policy.to_evict()
+                if victim is None:
+                    self._num_evictable -= evicted
+                    raise RuntimeError(
+                        f"policy {policy.describe()} named no victim with "
+                        f"{self._num_evictable} evictable blocks counted"
+                    )
+                policy.evict(victim)
+                block = primaries.pop(victim)
+                key_of[block.block_id] = None
+                evicted += 1
+                # vLLM's own eviction path: BlockRemoved events and KV cache metrics fire.
+                self._maybe_evict_cached_block(block)
+            if key is not None:
                 policy.insert(key)
-                self._copies[key] = [block]
-                self._key_of[block.block_id] = key
+                primaries[key] = block
+                key_of[block.block_id] = key
+            assert block.ref_cnt == 0, f"block {block.block_id} handed out with refs"
+            block.ref_cnt = 1
+            if metrics:
+                metrics.on_block_allocated(block)
             out[i] = block
+        self._num_evictable -= evicted
         blocks: list[KVCacheBlock] = out  # type: ignore[assignment]
         if self._reuse_watchers:
             self._notify_reuse(blocks)
-        for block in blocks:
-            assert block.ref_cnt == 0, f"block {block.block_id} handed out with refs"
-            block.ref_cnt = 1
-            if self.metrics_collector:
-                self.metrics_collector.on_block_allocated(block)
         return blocks
 
-    def _take_free_block(self) -> KVCacheBlock:
-        """A block without a hash if any is free, else the policy's victim, evicted."""
-        if self.free_block_queue.num_free_blocks:
-            return self.free_block_queue.popleft()
-        victim = self.policy.to_evict()
-        if victim is None:
-            raise RuntimeError(
-                f"policy {self.policy.describe()} named no victim with "
-                f"{self._num_evictable} evictable blocks counted"
-            )
-        self.policy.evict(victim)
-        (block,) = self._copies.pop(victim)
-        del self._key_of[block.block_id]
-        self._num_evictable -= 1
-        # vLLM's own eviction path: BlockRemoved events and KV cache metrics still fire.
-        self._maybe_evict_cached_block(block)
-        return block
+    def _drop_copy(self, block: KVCacheBlock, key: Key) -> bool:
+        """Forget that ``block`` holds ``key`` (its hash is untouched); True if it was the last.
 
-    def _drop_hashes(self, block: KVCacheBlock) -> None:
-        """Take ``block`` out of vLLM's prefix-cache map (events fire); keys untouched."""
-        self._maybe_evict_cached_block(block)
+        When the primary goes and spares remain, the oldest spare becomes the primary, as in
+        vLLM's hash map.
+        """
+        self._key_of[block.block_id] = None
+        if self._primary[key] is not block:
+            spares = self._spare[key]
+            spares.remove(block)
+            if not spares:
+                del self._spare[key]
+            return False
+        spares = self._spare.pop(key, None)
+        if spares is None:
+            del self._primary[key]
+            return True
+        self._primary[key] = spares.pop(0)
+        if spares:
+            self._spare[key] = spares
+        return False
 
     # --------------------------------------------------------------------------- caching
     def cache_full_blocks(
@@ -260,11 +308,12 @@ class PolicyBlockPool(BlockPool):
         )
         if not self.enable_caching:
             return
+        key_of = self._key_of
         for block in blocks[num_cached_blocks:num_full_blocks]:
-            key = block.block_hash
-            if block.is_null or key is None:
-                continue
-            known = self._key_of.get(block.block_id)
+            key = block._block_hash  # the slot behind the block_hash property
+            if key is None:
+                continue  # the null block, or masked out
+            known = key_of[block.block_id]
             if known == key:
                 continue  # inserted (or re-taken) at allocation
             if known is not None:
@@ -274,44 +323,44 @@ class PolicyBlockPool(BlockPool):
     def _adopt(self, block: KVCacheBlock, key: Key) -> None:
         """``block`` (held) just got hash ``key`` without an allocation-time decision."""
         policy = self.policy
-        copies = self._copies.get(key)
+        primary = self._primary.get(key)
         self._key_of[block.block_id] = key
-        if copies is None:
+        if primary is None:
             policy.find(key)
             if len(policy) >= policy.capacity:
                 raise RuntimeError(f"policy full while caching block {block.block_id}")
             policy.insert(key)
-            self._copies[key] = [block]
+            self._primary[key] = block
             return
-        primary = copies[0]
         if primary.ref_cnt == 0:
             # The old copy is free and now redundant: the held block becomes the primary.
-            policy.find(key)
             policy.pin(key)
+            policy.find(key)
             self._num_evictable -= 1
-            self._copies[key] = [block]
-            del self._key_of[primary.block_id]
+            self._primary[key] = block
+            self._key_of[primary.block_id] = None
             self._drop_hashes(primary)
             self.free_block_queue.append(primary)
         else:
-            copies.append(block)
+            self._spare.setdefault(key, []).append(block)
+
+    def _drop_hashes(self, block: KVCacheBlock) -> None:
+        """Take ``block`` out of vLLM's prefix-cache map (events fire); keys untouched."""
+        self._maybe_evict_cached_block(block)
 
     def _forget_pending(self, block: KVCacheBlock, key: Key) -> None:
         """``block`` will not hold ``key`` after all: drop it from the key's copies."""
-        del self._key_of[block.block_id]
-        copies = self._copies[key]
-        copies.remove(block)
-        if copies:
-            return
-        del self._copies[key]
-        # The key was inserted for this (held) block and never cached: it leaves the policy.
-        self.policy.unpin(key)
-        self.policy.remove(key)
+        if self._drop_copy(block, key):
+            # The key was inserted for this (held) block and never cached: it leaves the policy.
+            self.policy.unpin(key)
+            self.policy.remove(key)
 
     # --------------------------------------------------------------------------- release
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         evict_first: list[KVCacheBlock] = []
         other_pools: dict[BlockPool, list[KVCacheBlock]] = {}
+        key_of, spare, unpin = self._key_of, self._spare, self.policy.unpin
+        released = 0
         for block in ordered_blocks:
             if block.pool is not None and block.pool is not self:
                 other_pools.setdefault(block.pool, []).append(block)
@@ -319,31 +368,34 @@ class PolicyBlockPool(BlockPool):
             block.ref_cnt -= 1
             if block.ref_cnt or block.is_null:
                 continue
-            key = self._key_of.get(block.block_id)
-            if key is None or not self.enable_caching or self._release(block, key):
+            key = key_of[block.block_id]
+            if key is None:
                 evict_first.append(block)
+            elif key in spare or block._block_hash is None:  # the slot behind block_hash
+                self._release_uncached(block, key)
+                evict_first.append(block)
+            else:
+                # The single copy of a cached key: it stays cached, a candidate for eviction.
+                unpin(key)
+                released += 1
+        self._num_evictable += released
         # LIFO reuse of blocks without a hash, as vLLM does (better locality).
         self.free_block_queue.prepend_n(evict_first)
         for pool, blocks in other_pools.items():
             pool.free_blocks(blocks)
 
-    def _release(self, block: KVCacheBlock, key: Key) -> bool:
-        """Last user released ``block`` holding ``key``; True if it joins the free queue."""
-        copies = self._copies[key]
-        if len(copies) > 1 or block.block_hash is None:
-            # A redundant copy (or a block whose key was never cached) leaves the cache.
-            del self._key_of[block.block_id]
-            copies.remove(block)
-            if block.block_hash is not None:
-                self._drop_hashes(block)
-            if not copies:
-                del self._copies[key]
-                self.policy.unpin(key)
-                self.policy.remove(key)
-            return True
-        self.policy.unpin(key)
-        self._num_evictable += 1
-        return False
+    def _release_uncached(self, block: KVCacheBlock, key: Key) -> None:
+        """Last user released ``block``, a redundant copy of ``key`` or never cached under it.
+
+        The block leaves the prefix cache (it joins the free queue without a hash); the key
+        leaves the policy when no copy of it is left.
+        """
+        last = self._drop_copy(block, key)
+        if block.block_hash is not None:
+            self._drop_hashes(block)
+        if last:
+            self.policy.unpin(key)
+            self.policy.remove(key)
 
     # ---------------------------------------------------------------- invalidation
     def evict_blocks(self, block_ids: set[int]) -> None:
@@ -353,12 +405,9 @@ class PolicyBlockPool(BlockPool):
                 "a block the scheduler never allocated"
             )
             block = self.blocks[block_id]
-            key = self._key_of.pop(block_id, None)
+            key = self._key_of[block_id]
             if key is not None:
-                copies = self._copies[key]
-                copies.remove(block)
-                if not copies:
-                    del self._copies[key]
+                if self._drop_copy(block, key):
                     if block.ref_cnt == 0:
                         self._num_evictable -= 1
                     else:
@@ -371,14 +420,15 @@ class PolicyBlockPool(BlockPool):
             self._maybe_evict_cached_block(block)
 
     def reset_prefix_cache(self) -> bool:
-        order = [self._copies[key][0] for key in self.policy.resident_keys()]
+        order = [self._primary[key] for key in self.policy.resident_keys()]
         if not super().reset_prefix_cache():
             return False
         # Every block is free (vLLM checked): the cached ones join the free queue in the
         # policy's eviction order, and the policy forgets everything, history included.
         self.free_block_queue.append_n(order)
-        self._copies.clear()
-        self._key_of.clear()
+        self._primary.clear()
+        self._spare.clear()
+        self._key_of = [None] * self.num_gpu_blocks
         self._num_evictable = 0
         self.policy.clear()
         return True
@@ -394,7 +444,7 @@ class PolicyBlockPool(BlockPool):
         for key in self.policy.resident_keys():
             new.find(key)
             new.insert(key)
-            if self._copies[key][0].ref_cnt == 0:
+            if self._primary[key].ref_cnt == 0:
                 new.unpin(key)
         self.policy = new
         self.policy_switches += 1
@@ -415,27 +465,32 @@ class PolicyBlockPool(BlockPool):
         """Recount every invariant in the module docstring; AssertionError names the drift."""
         self.policy.verify()
         policy = self.policy
-        assert set(self._copies) == set(policy.resident_keys()), (
+        assert set(self._primary) == set(policy.resident_keys()), (
             "policy resident keys and the pool's cached keys differ"
         )
-        assert len(self._copies) == len(policy), "policy length differs from cached keys"
+        assert len(self._primary) == len(policy), "policy length differs from cached keys"
+        assert len(self._key_of) == len(self.blocks), "block -> key table has the wrong size"
+        key_of = {i: key for i, key in enumerate(self._key_of) if key is not None}
         in_queue = {b.block_id for b in self.free_block_queue.get_all_free_blocks()}
         evictable = 0
         copies_seen = 0
-        for key, copies in self._copies.items():
-            assert copies, f"key {key!r} cached with no block"
-            if copies[0].ref_cnt == 0:
+        for key, spares in self._spare.items():
+            assert spares, f"key {key!r} kept with an empty list of spare copies"
+            assert key in self._primary, f"key {key!r} has spare copies but no primary"
+        for key, primary in self._primary.items():
+            copies = [primary, *self._spare.get(key, ())]
+            if primary.ref_cnt == 0:
                 assert len(copies) == 1, f"key {key!r} has a free primary and other copies"
                 evictable += 1
             for block in copies:
                 copies_seen += 1
-                assert self._key_of.get(block.block_id) == key, (
+                assert key_of.get(block.block_id) == key, (
                     f"block {block.block_id} not mapped back to its key"
                 )
                 assert block.block_id not in in_queue, f"cached block {block.block_id} in queue"
                 if block.block_hash is not None:
                     assert block.block_hash == key, f"block {block.block_id} hash != its key"
-        assert copies_seen == len(self._key_of), "a block maps to a key that does not hold it"
+        assert copies_seen == len(key_of), "a block maps to a key that does not hold it"
         assert evictable == self._num_evictable, (
             f"evictable count {self._num_evictable} != recount {evictable}"
         )
@@ -445,13 +500,13 @@ class PolicyBlockPool(BlockPool):
                 continue
             if block.ref_cnt == 0:
                 free_by_ref += 1
-                assert block.block_id in in_queue or block.block_id in self._key_of, (
+                assert block.block_id in in_queue or block.block_id in key_of, (
                     f"free block {block.block_id} is neither queued nor cached"
                 )
             else:
                 assert block.block_id not in in_queue, f"held block {block.block_id} in queue"
             if block.block_hash is not None:
-                assert block.block_id in self._key_of, f"hashed block {block.block_id} untracked"
+                assert block.block_id in key_of, f"hashed block {block.block_id} untracked"
         for block_id in in_queue:
             assert self.blocks[block_id].block_hash is None, f"queued block {block_id} has hash"
         assert free_by_ref == self.get_num_free_blocks(), (

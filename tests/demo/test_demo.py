@@ -1,0 +1,203 @@
+"""The demo's pieces: argument checks, the simulator's prediction for the demo trace, the
+table, gain lines and plot built from real load-test summaries, the plugin-counter scrape.
+The real-server steps (switch, reset, replay) are in ``test_demo_server.py``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+
+from arc_evictor import demo
+from arc_evictor.demo import DemoError, PolicyRun, Prediction
+from arc_evictor.vllm_plugin.metrics import PluginMetrics
+from loadtest.report import CacheCounters, summarize
+
+
+def make_row(ttft_s: float, *, ok: bool = True, lag_s: float = 0.001) -> dict:
+    """A per-request row in the locustfile's shape (the fields ``summarize`` reads)."""
+    return {
+        "ok": ok,
+        "ttft_s": ttft_s if ok else None,
+        "itl_s": [0.008, 0.010, 0.012] if ok else [],
+        "e2e_s": ttft_s + 0.030,
+        "output_tokens": 4 if ok else 0,
+        "lag_s": lag_s,
+        "held_s": 0.0,
+    }
+
+
+def make_run(policy: str, ttfts: list[float], hits: float, queries: float) -> PolicyRun:
+    summary = summarize(
+        [make_row(t) for t in ttfts],
+        planned=len(ttfts),
+        start=CacheCounters(hits=0, queries=0),
+        end=CacheCounters(hits=hits * 32, queries=queries * 32),
+        duration_s=10.0,
+    )
+    return PolicyRun(policy, summary, block_queries=queries, block_hits=hits)
+
+
+PREDICTIONS = [Prediction("lru", 0.38, 0.39, 0.26), Prediction("arc", 0.50, 0.49, 0.18)]
+
+
+# --------------------------------------------------------------------------- arguments
+def test_defaults_compare_lru_then_arc_at_the_tuned_capacity(tmp_path: Path) -> None:
+    settings = demo.parse_args(["--out", str(tmp_path / "o")])
+    assert settings.policies == ("lru", "arc")
+    assert settings.capacity_blocks == demo.CAPACITY_BLOCKS
+    assert settings.trace == demo.TRACE
+    assert not (tmp_path / "o").exists()  # parsing creates nothing
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--policies", "lru,fifo"], "unknown policy 'fifo'; valid policies: "),
+        (["--policies", "arc"], "at least two distinct policies"),
+        (["--policies", "arc,ARC"], "at least two distinct policies"),
+        (["--capacity", "10"], "--capacity must be at least 64 blocks"),
+        (["--time-scale", "0"], "--time-scale must be in (0, 100]"),
+        (["--seed", "-1"], "--seed must be >= 0"),
+    ],
+)
+def test_bad_arguments_exit_2_naming_the_problem_and_write_nothing(
+    argv: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as stop:
+        demo.main(["--out", str(out), *argv])
+    assert stop.value.code == 2
+    assert message in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_out_that_is_a_file_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    target = tmp_path / "file"
+    target.write_text("keep")
+    with pytest.raises(SystemExit):
+        demo.main(["--out", str(target), "--simulate-only"])
+    assert "exists and is not a folder" in capsys.readouterr().err
+    assert target.read_text() == "keep"
+
+
+def test_unknown_policy_message_lists_the_valid_ones(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        demo.parse_args(["--policies", "lru,nope"])
+    err = capsys.readouterr().err
+    assert "lru" in err.split("valid policies:")[1] and "arc" in err.split("valid policies:")[1]
+
+
+# ---------------------------------------------------------------- simulator prediction
+def test_simulate_only_predicts_a_clear_arc_win_on_the_demo_trace(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert demo.main(["--out", str(tmp_path), "--simulate-only"]) == 0
+    assert (tmp_path / "docqa.jsonl").is_file()
+    assert not (tmp_path / "model").exists()  # no model, no server
+    lines = capsys.readouterr().out.splitlines()
+    rows = {line.split()[0]: line.split() for line in lines if line.startswith(("lru ", "arc "))}
+    lru_seq, lru_ovl = float(rows["lru"][1]), float(rows["lru"][2])
+    arc_seq, arc_ovl = float(rows["arc"][1]), float(rows["arc"][2])
+    # The demo's trace and capacity were chosen for this: ARC ahead by 5+ points both ways.
+    assert arc_seq - lru_seq >= 0.05
+    assert arc_ovl - lru_ovl >= 0.05
+
+
+def test_demo_trace_fits_the_server() -> None:
+    from arc_evictor.generate import docqa
+
+    longest = max(request.input_length for request in docqa(demo.TRACE))
+    assert longest + demo.TRACE.output_tokens * 2 <= demo.MAX_MODEL_LEN
+    assert demo.MAX_MODEL_LEN <= demo.CAPACITY_BLOCKS * demo.BLOCK_TOKENS
+
+
+# ------------------------------------------------------------------ table and gains
+def test_table_has_the_issue_columns_and_measured_next_to_predicted() -> None:
+    runs = [make_run("lru", [0.30, 0.26, 0.20], 38, 100), make_run("arc", [0.2, 0.1, 0.3], 50, 100)]
+    table = demo.comparison_table(runs, PREDICTIONS)
+    header, _rule, lru, arc = table.splitlines()
+    for column in ("policy", "requests", "block hit", "sim seq", "sim ovl", "TTFT p50 ms",
+                   "TTFT p90 ms", "ITL p50 ms", "req/s", "lag p99 ms"):  # fmt: skip
+        assert column in header
+    assert lru.split()[:6] == ["lru", "3", "0.380", "0.380", "0.390", "0.380"]
+    assert arc.split()[:4] == ["arc", "3", "0.500", "0.500"]
+    assert lru.split()[6] == "260"  # TTFT p50 of 0.30, 0.26, 0.20
+    assert arc.split()[8] == "10"  # ITL p50 of the gaps 8, 10 and 12 ms
+
+
+def test_zero_query_run_shows_dashes_and_gains_refuse_it() -> None:
+    empty = PolicyRun("lru", summarize([], planned=0, start=None, end=None, duration_s=0.0),
+                      block_queries=0, block_hits=0)  # fmt: skip
+    row = demo.comparison_table([empty], []).splitlines()[2].split()
+    assert row == ["lru", "0", "-", "-", "-", "-", "-", "-", "-", "-", "-"]
+    with pytest.raises(ValueError, match="no block queries were counted for lru or arc"):
+        demo.gains([empty, make_run("arc", [0.1], 5, 10)])
+
+
+def test_gain_lines_report_points_relative_and_ttft_and_judge_the_target() -> None:
+    # Hit rate 0.40 -> 0.50: +10 points, +25% relative; TTFT p50 0.200 -> 0.160: +20%.
+    runs = [make_run("lru", [0.2] * 5, 40, 100), make_run("arc", [0.16] * 5, 50, 100)]
+    (gain,) = demo.gains(runs)
+    assert gain.hit_points == pytest.approx(10.0)
+    assert gain.hit_relative == pytest.approx(0.25)
+    assert gain.ttft_p50_relative == pytest.approx(0.2)
+    assert gain.ttft_target_met is True
+    lines = demo.gain_lines(runs)
+    assert lines[0] == "hit gain (arc vs lru): +10.0 points of block hit rate, +25.0% relative"
+    assert lines[1] == "TTFT p50 gain (arc vs lru): +20.0% (positive = faster)"
+    assert lines[2].endswith("met: needs >= 12.5% (half of +25.0%), got +20.0%")
+    assert lines[3] == "target dispatch lag p99 < 50 ms: met (worst run 1.0 ms)"
+
+
+def test_ttft_gain_below_half_the_hit_gain_is_reported_missed() -> None:
+    runs = [make_run("lru", [0.2] * 5, 40, 100), make_run("arc", [0.19] * 5, 50, 100)]
+    assert demo.gains(runs)[0].ttft_target_met is False
+    assert "MISSED: needs >= 12.5%" in demo.gain_lines(runs)[2]
+
+
+def test_target_does_not_apply_when_arc_does_not_beat_lru() -> None:
+    runs = [make_run("lru", [0.2] * 5, 50, 100), make_run("arc", [0.25] * 5, 45, 100)]
+    (gain,) = demo.gains(runs)
+    assert gain.hit_points == pytest.approx(-5.0)
+    assert gain.ttft_target_met is None
+    assert "not applicable: arc did not beat lru's hit rate" in demo.gain_lines(runs)[2]
+
+
+def test_slow_dispatch_misses_the_lag_target() -> None:
+    slow = summarize([make_row(0.2, lag_s=0.08)] * 4, planned=4, start=None, end=None,
+                     duration_s=1.0)  # fmt: skip
+    runs = [make_run("lru", [0.2] * 4, 40, 100), PolicyRun("arc", slow, 100, 50)]
+    assert (
+        demo.gain_lines(runs)[-1] == "target dispatch lag p99 < 50 ms: MISSED (worst run 80.0 ms)"
+    )
+
+
+def test_plot_is_written(tmp_path: Path) -> None:
+    runs = [make_run("lru", [0.3, 0.2], 38, 100), make_run("arc", [0.2, 0.1], 50, 100)]
+    path = demo.plot_comparison(runs, PREDICTIONS, tmp_path / "sub" / "demo.png", "title")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert path.stat().st_size > 10_000
+
+
+# ------------------------------------------------------------------ plugin counters
+def plugin_metrics_page(hits: int, queries: int, active: str) -> str:
+    """The exposition text of the plugin's real metric objects."""
+    registry = CollectorRegistry()
+    metrics = PluginMetrics(registry)
+    metrics.block_hits.inc(hits)
+    metrics.block_queries.inc(queries)
+    for name in ("lru", "arc"):
+        metrics.policy_info.labels(policy=name).set(1 if name == active else 0)
+    return generate_latest(registry).decode()
+
+
+def test_plugin_counters_are_read_from_the_plugin_metrics() -> None:
+    counters = demo.parse_plugin_counters(plugin_metrics_page(7, 20, "arc"))
+    assert (counters.block_hits, counters.block_queries, counters.active_policy) == (7, 20, "arc")
+
+
+def test_missing_plugin_metrics_name_the_cause() -> None:
+    with pytest.raises(DemoError, match="no arc_evictor_block_hits_total, arc_evictor_block_qu"):
+        demo.parse_plugin_counters("vllm:prefix_cache_hits_total 3.0\n")

@@ -1,0 +1,84 @@
+"""The demo's server steps against the real vLLM (CPU build) with the plugin: the live
+switch plus cache reset that gives every policy an empty cache, and one short replay whose
+block counts must be the simulator's. One small server for the module (about a minute)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from arc_evictor import demo
+from arc_evictor.simulate import simulate
+from arc_evictor.tinymodel import build_tiny_llama
+from arc_evictor.traces import load_trace
+from arc_evictor.vllm_server import VllmServer
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+CAPACITY = 64  # blocks: no eviction for the short trace below
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_llama(tmp_path_factory.mktemp("demo-model"))
+
+
+@pytest.fixture(scope="module")
+def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
+    folder = tmp_path_factory.mktemp("demo-server")
+    srv = demo.demo_server(model_dir, CAPACITY, folder / "policy.json", "lru", folder / "vllm.log")
+    with srv:
+        yield srv
+
+
+@pytest.fixture
+def session(server: VllmServer) -> demo.ServerSession:
+    policy_file = Path(server.extra_env["ARC_EVICTOR_CONFIG"])
+    return demo.ServerSession(server.base_url, server.served_model_name, policy_file)
+
+
+PROMPT = [5 + i % 900 for i in range(4 * demo.BLOCK_TOKENS + 5)]  # 4 full blocks + 5 tokens
+
+
+def hits_of(session: demo.ServerSession, prompt: list[int]) -> float:
+    before = session.counters().block_hits
+    session.complete(prompt)
+    return session.counters().block_hits - before
+
+
+def test_prepare_switches_policy_and_empties_the_cache(session: demo.ServerSession) -> None:
+    session.prepare("lru")
+    session.complete(PROMPT)
+    assert hits_of(session, PROMPT) == 4  # all four full blocks were cached
+    session.prepare("arc")
+    assert session.counters().active_policy == "arc"
+    assert json.loads(session.policy_file.read_text()) == {"policy": "arc"}
+    assert hits_of(session, PROMPT) == 0  # the reset emptied the cache
+    assert hits_of(session, PROMPT) == 4
+
+
+def test_replay_counts_the_blocks_the_simulator_counts(
+    session: demo.ServerSession, model_dir: Path, tmp_path: Path
+) -> None:
+    from arc_evictor.generate import DocQAParams, docqa, to_records
+    from arc_evictor.traces import write_trace
+
+    params = DocQAParams(documents=3, document_tokens=200, questions_per_document=2,
+                         question_tokens=20, output_tokens=3, seed=1)  # fmt: skip
+    records = list(to_records(docqa(params), "bailian", demo.BLOCK_TOKENS))
+    for number, record in enumerate(records):
+        # 0.6 s apart, and the tiny model answers within that: the replay is sequential.
+        record["timestamp"] = round(0.6 * number, 3)
+    trace = tmp_path / "trace.jsonl"
+    write_trace(trace, records)
+    requests = load_trace(trace, block_tokens=demo.BLOCK_TOKENS)
+    expected = simulate(requests, "arc", CAPACITY, sequential=True)
+    run = demo.replay_policy(session, "arc", trace, tmp_path, tokenizer=model_dir,
+                             time_scale=1.0, run_time_s=60)  # fmt: skip
+    assert run.requests == len(requests) == 6
+    assert run.block_queries == expected.block_queries
+    assert run.block_hits == expected.block_hits > 0
+    assert (tmp_path / "arc" / "locust.log").is_file()
