@@ -117,33 +117,36 @@ class ARC(EvictionPolicy):
         return False
 
     def insert(self, key: Key) -> None:
-        assert key not in self._where, f"insert of {key!r}, already in ARC list {self._where[key]}"
-        assert self._t1_size + self._t2_size < self.capacity, f"insert of {key!r} into a full ARC"
+        where = self._where
+        assert key not in where, f"insert of {key!r}, already in ARC list {where.get(key)}"
+        capacity = self.capacity
+        assert self._t1_size + self._t2_size < capacity, f"insert of {key!r} into a full ARC"
         if self._pending_ghost is None:
-            self._where[key] = T1
+            where[key] = T1
             self._t1_size += 1
         else:
-            self._where[key] = T2
+            where[key] = T2
             self._t2_size += 1
         self._pending_ghost = None
         self._pinned.add(key)
         # Case IV's directory bounds; only a fresh miss into T1 can break them.
-        capacity = self.capacity
-        while self._t1_size + len(self._b1) > capacity and self._b1:
-            del self._where[self._b1.popitem(last=False)[0]]
-        while len(self._where) > 2 * capacity and (self._b2 or self._b1):
-            ghosts = self._b2 or self._b1
-            del self._where[ghosts.popitem(last=False)[0]]
+        b1, b2 = self._b1, self._b2
+        while b1 and self._t1_size + len(b1) > capacity:
+            del where[b1.popitem(last=False)[0]]
+        while len(where) > 2 * capacity and (b2 or b1):
+            del where[(b2 or b1).popitem(last=False)[0]]
 
     def to_evict(self) -> Key | None:
         t1_size = self._t1_size
-        take_t1 = t1_size > 0 and (
-            t1_size > self._p or (t1_size == self._p and self._pending_ghost == B2)
-        )
-        first, second = (self._t1, self._t2) if take_t1 else (self._t2, self._t1)
-        for candidates in (first, second):
-            for key in candidates:
-                return key
+        if t1_size and (t1_size > self._p or (t1_size == self._p and self._pending_ghost == B2)):
+            first, second = self._t1, self._t2
+        else:
+            first, second = self._t2, self._t1
+        # The pinned fallback: REPLACE's list has no unpinned block, so the other one gives it.
+        if first:
+            return next(iter(first))
+        if second:
+            return next(iter(second))
         return None
 
     def evict(self, key: Key) -> None:

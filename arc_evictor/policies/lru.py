@@ -37,7 +37,7 @@ class LRU(EvictionPolicy):
         return key in self._order or key in self._pinned
 
     def insert(self, key: Key) -> None:
-        assert len(self) < self.capacity, f"insert of {key!r} into a full LRU"
+        assert len(self._order) + len(self._pinned) < self.capacity, f"insert of {key!r}: LRU full"
         self._pinned.add(key)
 
     def to_evict(self) -> Key | None:

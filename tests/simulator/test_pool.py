@@ -1,0 +1,79 @@
+"""The block-pool model: counts and pins belong to the pool, order to the policy."""
+
+from __future__ import annotations
+
+import pytest
+
+from arc_evictor.policies import make_policy, policy_names
+from arc_evictor.pool import BlockPool, PoolExhausted
+
+
+def pool_of(name: str, capacity: int) -> BlockPool:
+    return BlockPool(make_policy(name, capacity))
+
+
+@pytest.mark.parametrize("name", policy_names())
+def test_free_blocks_are_used_before_any_eviction(name) -> None:
+    pool = pool_of(name, 4)
+    for key in (1, 2, 3):
+        pool.take([key])
+        pool.give_back([key])
+    assert pool.num_free == 1 and pool.evictions == 0
+    pool.take([4])
+    pool.give_back([4])
+    assert pool.num_free == 0 and pool.evictions == 0
+    pool.take([5])
+    assert pool.evictions == 1
+    pool.verify()
+
+
+@pytest.mark.parametrize("name", policy_names())
+def test_a_pinned_block_is_never_evicted(name) -> None:
+    pool = pool_of(name, 3)
+    pool.take([1])  # held for the whole test
+    for key in range(10, 40):
+        pool.take([key])
+        pool.give_back([key])
+        assert pool.is_cached(1)
+        pool.verify()
+
+
+@pytest.mark.parametrize("name", policy_names())
+def test_shared_block_stays_pinned_until_its_last_user_releases_it(name) -> None:
+    pool = pool_of(name, 2)
+    pool.take([1])
+    pool.take([1])
+    pool.give_back([1])
+    assert pool.is_pinned(1)
+    pool.give_back([1])
+    assert not pool.is_pinned(1) and pool.is_cached(1)
+    pool.verify()
+
+
+@pytest.mark.parametrize("name", policy_names())
+def test_miss_with_every_block_pinned_raises_and_changes_nothing(name) -> None:
+    pool = pool_of(name, 2)
+    pool.take([1, 2])
+    before = (pool.num_cached, pool.num_pinned, pool.policy.list_sizes())
+    with pytest.raises(PoolExhausted, match="all 2 blocks are pinned"):
+        pool.acquire(3)
+    assert (pool.num_cached, pool.num_pinned, pool.policy.list_sizes()) == before
+    pool.verify()
+
+
+def test_remove_refuses_a_pinned_block() -> None:
+    pool = pool_of("arc", 4)
+    pool.take([1, 2])
+    with pytest.raises(ValueError, match="a request holds it"):
+        pool.remove(1)
+    pool.give_back([1, 2])
+    pool.remove(1)
+    assert not pool.is_cached(1) and pool.num_free == 3
+    pool.verify()
+
+
+def test_blocks_to_pin_counts_what_a_request_would_add() -> None:
+    pool = pool_of("lru", 8)
+    pool.take([1, 2])
+    assert pool.blocks_to_pin([1, 2, 3, 4]) == 2
+    assert pool.blocks_to_pin([5]) == 1
