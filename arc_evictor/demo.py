@@ -26,12 +26,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -118,7 +119,6 @@ class PolicyRun:
     block_queries: float
     block_hits: float
     seconds: float = 0.0
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def requests(self) -> int:
@@ -551,11 +551,14 @@ def replay_policy(
     session.prepare(name)
     before = session.counters()
     started = time.monotonic()
-    replay = run_replay(
-        session.base_url, trace, out_dir=out / name, run_time_s=run_time_s,
-        block_tokens=BLOCK_TOKENS, time_scale=time_scale, model=session.model,
-        tokenizer=tokenizer,
-    )  # fmt: skip
+    try:
+        replay = run_replay(
+            session.base_url, trace, out_dir=out / name, run_time_s=run_time_s,
+            block_tokens=BLOCK_TOKENS, time_scale=time_scale, model=session.model,
+            tokenizer=tokenizer,
+        )  # fmt: skip
+    except subprocess.TimeoutExpired as exc:
+        raise DemoError(f"the {name} replay did not finish within {exc.timeout:.0f}s") from exc
     seconds = time.monotonic() - started
     after = session.counters()
     (out / name / "locust.log").write_text(replay.log)

@@ -38,7 +38,7 @@ from arc_evictor.traces import TraceRequest, load_trace
 SAMPLE_TRACE = (
     Path(__file__).resolve().parent.parent / "data" / "traces" / "mooncake_synthetic.jsonl"
 )
-POLICIES = ("lru", "dbl", "arc", "s3fifo", "sieve", "garc", "belady")
+POLICIES = ("lru", "dbl", "arc", "s3fifo", "sieve", "garc", "trio", "belady")
 MODES = ("sequential", "overlapping")
 # Issue 7's targets: at least max(LRU, ARC) minus this, and at the two smallest
 # capacities at least this share of the gap from max(LRU, ARC) to Belady.
@@ -50,7 +50,7 @@ GAP_SHARE = 0.25
 class EvaluationConfig:
     """What to evaluate; the defaults are ``make evaluate``'s (about 5 minutes on 2 cores)."""
 
-    candidate: str = "garc"
+    candidate: str = "trio"
     policies: tuple[str, ...] = POLICIES
     capacity_percents: tuple[float, ...] = (5.0, 10.0, 20.0, 40.0)
     modes: tuple[str, ...] = MODES

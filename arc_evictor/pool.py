@@ -37,8 +37,6 @@ class BlockPool:
         self._cached: set[Key] = set()  # owned by the pool, mirrors the policy's residents
         self._refs: dict[Key, int] = {}  # owned by the pool; the policy sees 0 <-> 1 changes
         self.evictions = 0
-        # The optional request hook (base.py), looked up once: no cost for policies without it.
-        self._on_request = getattr(policy, "on_request", None)
 
     @property
     def num_pinned(self) -> int:
@@ -130,13 +128,10 @@ class BlockPool:
         The order is vLLM's: first every block already cached is taken (pinned),
         so the request's own misses cannot evict them; then the misses are
         cached. Both passes go tail first (last block first), as DESIGN.md's
-        sequential mode states. A policy that defines ``on_request`` hears of the
-        request (its keys, head first) before any of this. The hit count is the
-        cached prefix before any of this, the first miss ending it. The caller checks that the pool can pin
+        sequential mode states. The hit count is the cached prefix before any of
+        this, the first miss ending it. The caller checks that the pool can pin
         every block (``num_pinned + blocks_to_pin(keys) <= capacity``).
         """
-        if self._on_request is not None:
-            self._on_request(keys)
         hits = self.prefix_hits(keys)
         cached = self._cached
         refs = self._refs

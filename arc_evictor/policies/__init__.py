@@ -14,6 +14,7 @@ from arc_evictor.policies.garc import GARC
 from arc_evictor.policies.lru import LRU
 from arc_evictor.policies.s3fifo import S3FIFO
 from arc_evictor.policies.sieve import Sieve
+from arc_evictor.policies.trio import Trio
 
 PolicyFactory = Callable[[int], EvictionPolicy]
 
@@ -24,6 +25,7 @@ REGISTRY: dict[str, PolicyFactory] = {
     "s3fifo": S3FIFO,
     "sieve": Sieve,
     "garc": GARC,
+    "trio": Trio,
 }
 
 
@@ -56,6 +58,7 @@ __all__ = [
     "Key",
     "PolicyError",
     "Sieve",
+    "Trio",
     "make_policy",
     "policy_names",
 ]

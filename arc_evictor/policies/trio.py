@@ -1,0 +1,205 @@
+"""Trio: ARC whose victim follows whichever of ARC, LRU and LFU its miniatures show ahead.
+
+Why: no single order wins every workload a prefix cache sees. On document QA
+(a Zipf law over long shared documents) the blocks worth keeping are the popular
+documents', which only frequency with memory finds (LFU closes a third of the gap
+to Belady there); on multi-turn chat recency wins (LRU or ARC); on the Mooncake
+sample ARC does. ``garc`` chose between ARC and LRU only; Trio adds LFU.
+
+Variant: the real cache is ARC exactly (arc.py: lists, ghosts, target ``p``), plus
+access counts (``lfu.FrequencyOrder``: capped at 255, kept for ``history_factor *
+capacity`` evicted keys). LRU's victim is the older of T1's and T2's least recently
+released blocks (both lists are ordered by release stamp); LFU's (count, release)
+order is built when LFU takes the lead and dropped when it loses it. Three miniature caches
+(Waldspurger et al., "Cache Modeling and Optimization using Miniature Simulations",
+USENIX ATC'17) replay a hash-sampled share of the keys, one ARC, one LRU and one
+LFU, each with the sampled share of the capacity. Every ``window`` sampled
+accesses each expert's hits in that window are added to its score, which halves
+each window; the expert with the highest score (ties: ARC, then LRU, then LFU)
+names the victims until the next window ends. Whoever names it, the victim goes
+to B1 or B2 as in ARC, so ARC's learning goes on while another expert leads.
+
+Prefix caches: all three orders evict a block's descendants before the block
+(LRU and ARC by release order, LFU because a parent's count is at least its
+child's, ties by release order).
+
+Cost: O(1) per operation, amortised: ARC's work, one count per ``find``, one
+multiplicative hash per ``find``, a sampled share (1/8; every key for caches of at
+most 1,024 blocks) of the work in three miniature caches, and while LFU leads one
+bucket update per pin and unpin. Building the LFU order costs O(c) and happens at
+most once a window, and a window is at least ``2c`` accesses.
+
+Name map: ``_freq`` the counts and frequency order; ``_minis`` the
+miniatures (ARC, LRU, LFU); ``_scores`` their decayed hit counts; ``_expert`` the
+index of the expert that names victims.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterator
+
+from arc_evictor.policies.arc import ARC, T1, T2
+from arc_evictor.policies.base import EvictionPolicy, Key, PolicyError
+from arc_evictor.policies.lfu import LFU, FrequencyOrder
+from arc_evictor.policies.lru import LRU
+
+# Fibonacci hashing: spreads interned (consecutive) integer keys over the sample space.
+_GOLDEN = 0x9E3779B97F4A7C15
+_MASK64 = (1 << 64) - 1
+# Caches up to this many blocks feed every key to the miniatures.
+_FULL_SAMPLE_BLOCKS = 1024
+EXPERTS = ("arc", "lru", "lfu")
+_ARC, _LRU, _LFU = 0, 1, 2
+
+
+def _mini_access(policy: EvictionPolicy, key: Key) -> bool:
+    """One access of ``key`` in a miniature cache that never holds pins: True on a hit."""
+    if key in policy:
+        policy.pin(key)
+        policy.find(key)
+        policy.unpin(key)
+        return True
+    policy.find(key)
+    while len(policy) >= policy.capacity:
+        policy.evict(policy.to_evict())
+    policy.insert(key)
+    policy.unpin(key)
+    return False
+
+
+class Trio(ARC):
+    """ARC's lists; victims from the ARC, LRU or LFU order, whichever miniature leads.
+
+    Invariants (on top of ARC's, all checked by ``verify``):
+    - ``_freq`` counts every resident key, and orders exactly the unpinned resident
+      keys exactly while the expert is LFU;
+    - the miniatures hold only sampled keys and are valid policies themselves;
+    - ``0 <= _window_count < window``; ``_expert`` is the best score as of the last
+      window's end (ARC before the first).
+    """
+
+    name = "trio"
+
+    def __init__(self, capacity: int, *, sample_bits: int = 3, history_factor: int = 4) -> None:
+        super().__init__(capacity)
+        if not 0 <= sample_bits <= 16:
+            raise PolicyError(f"trio sample_bits must be in [0, 16], got {sample_bits}")
+        if history_factor < 0:
+            raise PolicyError(f"trio history_factor must be >= 0, got {history_factor}")
+        self._sample_bits = 0 if capacity <= _FULL_SAMPLE_BLOCKS else sample_bits
+        mini_capacity = max(1, capacity >> self._sample_bits)
+        self._minis: tuple[EvictionPolicy, ...] = (
+            ARC(mini_capacity),
+            LRU(mini_capacity),
+            LFU(mini_capacity, history_factor=history_factor),
+        )
+        # A window of a few miniature cache-fulls: long enough to compare, short enough to react.
+        self.window = max(64, 2 * mini_capacity)
+        self._freq = FrequencyOrder(history_factor * capacity, ordered=False)
+        self._scores = [0.0, 0.0, 0.0]
+        self._window_hits = [0, 0, 0]
+        self._window_count = 0
+        self._expert = _ARC
+
+    def describe(self) -> str:
+        return f"trio-1/{1 << self._sample_bits}"
+
+    @property
+    def expert(self) -> str:
+        """The expert whose order names victims now: ``arc``, ``lru`` or ``lfu``."""
+        return EXPERTS[self._expert]
+
+    def _sampled(self, key: Key) -> bool:
+        bits = self._sample_bits
+        return not bits or ((hash(key) * _GOLDEN) & _MASK64) >> (64 - bits) == 0
+
+    def find(self, key: Key) -> bool:
+        bits = self._sample_bits
+        if not bits or ((hash(key) * _GOLDEN) & _MASK64) >> (64 - bits) == 0:
+            hits = self._window_hits
+            for index, mini in enumerate(self._minis):
+                hits[index] += _mini_access(mini, key)
+            self._window_count += 1
+            if self._window_count == self.window:
+                self._end_window()
+        self._freq.access(key)
+        return ARC.find(self, key)
+
+    def _end_window(self) -> None:
+        scores, hits = self._scores, self._window_hits
+        for index in range(3):
+            scores[index] = scores[index] / 2 + hits[index]
+            hits[index] = 0
+        self._window_count = 0
+        expert = max(range(3), key=lambda index: (scores[index], -index))
+        if expert != self._expert:
+            if expert == _LFU:
+                self._freq.start_order(self._released())
+            elif self._expert == _LFU:
+                self._freq.stop_order()
+            self._expert = expert
+
+    def _released(self) -> Iterator[Key]:
+        """Unpinned resident keys, least recently released first."""
+        by_release = heapq.merge(self._t1.items(), self._t2.items(), key=lambda item: item[1])
+        for key, _stamp in by_release:
+            yield key
+
+    def insert(self, key: Key) -> None:
+        ARC.insert(self, key)
+        self._freq.add(key)
+
+    def to_evict(self) -> Key | None:
+        expert = self._expert
+        if expert == _LRU:
+            t1, t2 = self._t1, self._t2
+            if not t1 or not t2:
+                return next(iter(t1 or t2), None)
+            first1, first2 = next(iter(t1)), next(iter(t2))
+            return first1 if t1[first1] < t2[first2] else first2
+        if expert == _LFU:
+            return self._freq.first()
+        return ARC.to_evict(self)
+
+    def evict(self, key: Key) -> None:
+        self._freq.drop(key, remember=True)
+        ARC.evict(self, key)
+
+    def remove(self, key: Key) -> None:
+        if self._where.get(key) not in (T1, T2) or key in self._pinned:
+            raise KeyError(key)
+        ARC.remove(self, key)
+        self._freq.drop(key, remember=False)
+
+    def pin(self, key: Key) -> None:
+        ARC.pin(self, key)
+        if self._expert == _LFU:
+            self._freq.hold(key)
+
+    def unpin(self, key: Key) -> None:
+        ARC.unpin(self, key)
+        if self._expert == _LFU:
+            self._freq.release(key)
+
+    def clear(self) -> None:
+        super().clear()
+        self._freq.clear()
+        self._freq.stop_order()
+        for mini in self._minis:
+            mini.clear()
+        self._scores = [0.0, 0.0, 0.0]
+        self._window_hits = [0, 0, 0]
+        self._window_count = 0
+        self._expert = _ARC
+
+    def verify(self) -> None:
+        super().verify()
+        assert self._freq.ordered == (self._expert == _LFU), "Trio LFU order out of step"
+        self._freq.verify({*self._t1, *self._t2}, self._pinned)
+        for mini in self._minis:
+            mini.verify()
+            assert all(self._sampled(key) for key in mini.resident_keys()), (
+                "a miniature cache holds a key outside the sample"
+            )
+        assert 0 <= self._window_count < self.window, "Trio window count out of range"
