@@ -126,8 +126,9 @@ def _evaluate(args: argparse.Namespace) -> int:
         ) from None
     modes = ("sequential", "overlapping") if args.mode == "both" else (args.mode,)
     try:
+        candidate = {"candidate": args.candidate.strip().lower()} if args.candidate else {}
         config = EvaluationConfig(
-            candidate=args.candidate.strip().lower(),
+            **candidate,
             seeds=seeds,
             capacity_percents=percents,
             modes=modes,
@@ -198,7 +199,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--capacity", default="5,10,20,40", help="capacities in percent of distinct blocks"
     )
     evaluate.add_argument("--mode", default="both", choices=["both", "sequential", "overlapping"])
-    evaluate.add_argument("--candidate", default="garc", help="the policy judged against targets")
+    evaluate.add_argument(
+        "--candidate", help="the policy judged against targets (default: the evaluation's, trio)"
+    )
     evaluate.add_argument(
         "--check", action="store_true", help="exit with status 1 when a target is missed"
     )

@@ -38,7 +38,7 @@ from arc_evictor.traces import TraceRequest, load_trace
 SAMPLE_TRACE = (
     Path(__file__).resolve().parent.parent / "data" / "traces" / "mooncake_synthetic.jsonl"
 )
-POLICIES = ("lru", "dbl", "arc", "s3fifo", "sieve", "garc", "trio", "belady")
+POLICIES = ("lru", "dbl", "arc", "s3fifo", "sieve", "trio", "belady")
 MODES = ("sequential", "overlapping")
 # Issue 7's targets: at least max(LRU, ARC) minus this, and at the two smallest
 # capacities at least this share of the gap from max(LRU, ARC) to Belady.

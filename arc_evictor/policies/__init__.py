@@ -10,7 +10,6 @@ from collections.abc import Callable
 
 from arc_evictor.policies.arc import ARC, DBL
 from arc_evictor.policies.base import EvictionPolicy, Key, PolicyError
-from arc_evictor.policies.garc import GARC
 from arc_evictor.policies.lru import LRU
 from arc_evictor.policies.s3fifo import S3FIFO
 from arc_evictor.policies.sieve import Sieve
@@ -24,7 +23,6 @@ REGISTRY: dict[str, PolicyFactory] = {
     "arc": ARC,
     "s3fifo": S3FIFO,
     "sieve": Sieve,
-    "garc": GARC,
     "trio": Trio,
 }
 
@@ -50,7 +48,6 @@ def make_policy(name: str, capacity: int) -> EvictionPolicy:
 __all__ = [
     "ARC",
     "DBL",
-    "GARC",
     "LRU",
     "REGISTRY",
     "S3FIFO",

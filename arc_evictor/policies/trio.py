@@ -4,7 +4,8 @@ Why: no single order wins every workload a prefix cache sees. On document QA
 (a Zipf law over long shared documents) the blocks worth keeping are the popular
 documents', which only frequency with memory finds (LFU closes a third of the gap
 to Belady there); on multi-turn chat recency wins (LRU or ARC); on the Mooncake
-sample ARC does. ``garc`` chose between ARC and LRU only; Trio adds LFU.
+sample ARC does. An earlier candidate that chose between ARC and LRU only never closed any
+of the gap to Belady; Trio adds LFU.
 
 Variant: the real cache is ARC exactly (arc.py: lists, ghosts, target ``p``), plus
 access counts (``lfu.FrequencyOrder``: capped at 255, kept for ``history_factor *

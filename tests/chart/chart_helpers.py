@@ -17,6 +17,8 @@ from typing import Any
 import pytest
 import yaml
 
+from arc_evictor.vllm_plugin.metrics import METRIC_NAMES
+
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "arc-serving"
 TOOLS = REPO / ".tools" / "bin"
@@ -29,21 +31,8 @@ NAMESPACE = "llm"
 # Every helm call is bounded; rendering this chart takes well under a second.
 HELM_TIMEOUT_S = 60
 
-# The plugin's metric names (DESIGN.md, "Plugin contract"), as Prometheus exposes them.
-# The plugin will publish them as arc_evictor.vllm_plugin.metrics.METRIC_NAMES.
-PLUGIN_METRICS = frozenset(
-    {
-        "arc_evictor_policy_info",
-        "arc_evictor_block_queries_total",
-        "arc_evictor_block_hits_total",
-        "arc_evictor_ghost_hits_total",
-        "arc_evictor_evictions_total",
-        "arc_evictor_resident_blocks",
-        "arc_evictor_ghost_blocks",
-        "arc_evictor_target_recency_blocks",
-        "arc_evictor_policy_switches_total",
-    }
-)
+# The plugin's metric names (DESIGN.md, "Plugin contract"), from the plugin itself.
+PLUGIN_METRICS = frozenset(METRIC_NAMES)
 # Series every Prometheus target has.
 SCRAPE_METRICS = frozenset({"up"})
 

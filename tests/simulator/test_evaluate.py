@@ -67,8 +67,8 @@ def test_rows_hold_the_simulators_hit_rates(evaluated) -> None:
 
 
 def test_margin_and_gap_closed_arithmetic() -> None:
-    results = [result("lru", 30), result("arc", 40), result("garc", 45), result("belady", 60)]
-    row = make_row("t", "sequential", 5.0, results, "garc", small_capacity=True)
+    results = [result("lru", 30), result("arc", 40), result("trio", 45), result("belady", 60)]
+    row = make_row("t", "sequential", 5.0, results, "trio", small_capacity=True)
     assert row.best_of_lru_arc == pytest.approx(0.40)
     assert row.margin == pytest.approx(0.05)
     assert row.gap_closed == pytest.approx(0.25)
@@ -76,18 +76,18 @@ def test_margin_and_gap_closed_arithmetic() -> None:
 
 
 def test_a_row_below_max_lru_arc_misses_both_targets() -> None:
-    results = [result("lru", 50), result("arc", 40), result("garc", 49), result("belady", 60)]
-    row = make_row("t", "overlapping", 5.0, results, "garc", small_capacity=True)
+    results = [result("lru", 50), result("arc", 40), result("trio", 49), result("belady", 60)]
+    row = make_row("t", "overlapping", 5.0, results, "trio", small_capacity=True)
     assert not row.meets_margin and not row.meets_gap
     assert check_targets([row]) == [
-        "t overlapping 5%: garc is 1.00 points below max(LRU, ARC)",
-        "t overlapping 5%: garc closes -10% of the gap to Belady (target 25%)",
+        "t overlapping 5%: trio is 1.00 points below max(LRU, ARC)",
+        "t overlapping 5%: trio closes -10% of the gap to Belady (target 25%)",
     ]
 
 
 def test_no_gap_to_belady_and_an_empty_trace_give_no_share() -> None:
-    results = [result("lru", 0, 0), result("arc", 0, 0), result("garc", 0, 0)]
-    row = make_row("empty", "sequential", 5.0, [*results, result("belady", 0, 0)], "garc", True)
+    results = [result("lru", 0, 0), result("arc", 0, 0), result("trio", 0, 0)]
+    row = make_row("empty", "sequential", 5.0, [*results, result("belady", 0, 0)], "trio", True)
     assert row.gap_closed is None and row.margin == 0.0
     assert check_targets([row]) == []
 
@@ -102,7 +102,7 @@ def test_gap_target_applies_only_at_the_two_smallest_capacities(evaluated) -> No
     ("overrides", "message"),
     [
         ({"modes": ("parallel",)}, "unknown mode 'parallel'"),
-        ({"policies": ("arc", "belady", "garc")}, "needs policy 'lru'"),
+        ({"policies": ("arc", "belady", "trio")}, "needs policy 'lru'"),
         ({"capacity_percents": (0.0,)}, r"capacity percents must be in \(0, 100\]"),
         ({"candidate": "mru"}, "unknown eviction policy 'mru'"),
     ],
