@@ -27,6 +27,11 @@ HEALTH_PATH = "/health"
 CONFIG_DIR = "/etc/arc-evictor"
 CONFIG_KEY = "policy.json"
 CONFIG_ENV = "ARC_EVICTOR_CONFIG"
+# The plugin's arc_evictor_* metrics are written by the engine-core process and reach the
+# API server's /metrics only through prometheus_client's multiprocess files: an emptyDir,
+# fresh at every pod start as vLLM wants.
+METRICS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
+METRICS_DIR = "/var/run/arc-evictor/prometheus"
 GPU_RESOURCE = "nvidia.com/gpu"
 POLICY_ANNOTATION = f"{GROUP}/policy"
 POLICY_LABEL = f"{GROUP}/servingpolicy"
@@ -132,7 +137,10 @@ def _probe(period: int, failures: int) -> dict[str, Any]:
 
 
 def _env(spec: ServingPolicySpec) -> list[dict[str, Any]]:
-    owned = [{"name": CONFIG_ENV, "value": f"{CONFIG_DIR}/{CONFIG_KEY}"}]
+    owned = [
+        {"name": CONFIG_ENV, "value": f"{CONFIG_DIR}/{CONFIG_KEY}"},
+        {"name": METRICS_DIR_ENV, "value": METRICS_DIR},
+    ]
     return owned + [var.model_dump(by_alias=True, exclude_none=True) for var in spec.env]
 
 
@@ -156,6 +164,7 @@ def pod_template(name: str, spec: ServingPolicySpec) -> dict[str, Any]:
         "volumeMounts": [
             {"name": "policy", "mountPath": CONFIG_DIR, "readOnly": True},
             {"name": "dshm", "mountPath": "/dev/shm"},
+            {"name": "prometheus", "mountPath": METRICS_DIR},
         ],
     }
     return {
@@ -168,6 +177,7 @@ def pod_template(name: str, spec: ServingPolicySpec) -> dict[str, Any]:
                 # A whole-directory mount (not subPath) so kubelet updates reach the pod.
                 {"name": "policy", "configMap": {"name": config_map_name(name)}},
                 {"name": "dshm", "emptyDir": {"medium": "Memory"}},
+                {"name": "prometheus", "emptyDir": {}},
             ],
         },
     }

@@ -45,7 +45,7 @@ OWNED_ENGINE_ARGS = frozenset(
     }
 )
 # Environment variables the operator sets itself; env may not override them.
-OWNED_ENV = frozenset({"ARC_EVICTOR_CONFIG", "ARC_EVICTOR_POLICY"})
+OWNED_ENV = frozenset({"ARC_EVICTOR_CONFIG", "ARC_EVICTOR_POLICY", "PROMETHEUS_MULTIPROC_DIR"})
 # vLLM's GPU block tables are built for block sizes that are multiples of 16 tokens.
 BLOCK_SIZE_MULTIPLE = 16
 

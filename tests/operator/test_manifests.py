@@ -38,6 +38,7 @@ def test_valid_spec_parses_with_defaults() -> None:
         ({"cache": {"numBlocks": 4}, "maxModelLen": 4096}, "cannot serve maxModelLen=4096"),
         ({"engineArgs": ["--block-size=32"]}, "engineArgs may not set --block-size"),
         ({"env": [{"name": "ARC_EVICTOR_POLICY", "value": "lru"}]}, "env may not set"),
+        ({"env": [{"name": "PROMETHEUS_MULTIPROC_DIR", "value": "/x"}]}, "env may not set"),
         ({"color": "blue"}, "spec.color: Extra inputs are not permitted"),
     ],
 )
@@ -80,9 +81,8 @@ def test_only_restart_mode_puts_the_policy_in_the_pod_template() -> None:
 
 def test_deployment_args_follow_the_spec() -> None:
     spec = parse_spec(make_spec(engineArgs=["--max-num-seqs", "8"]))
-    (container,) = manifests.deployment("demo", "serving", spec)["spec"]["template"]["spec"][
-        "containers"
-    ]
+    template = manifests.deployment("demo", "serving", spec)["spec"]["template"]
+    (container,) = template["spec"]["containers"]
     assert container["args"] == [
         "--host", "0.0.0.0", "--port", "8000",
         "--model", "Qwen/Qwen2.5-0.5B-Instruct", "--served-model-name", "qwen",
@@ -94,6 +94,15 @@ def test_deployment_args_follow_the_spec() -> None:
         "name": "ARC_EVICTOR_CONFIG",
         "value": "/etc/arc-evictor/policy.json",
     }
+    # The plugin's metrics leave the engine-core process through multiprocess files.
+    assert container["env"][1] == {
+        "name": "PROMETHEUS_MULTIPROC_DIR",
+        "value": "/var/run/arc-evictor/prometheus",
+    }
+    mounts = {mount["name"]: mount["mountPath"] for mount in container["volumeMounts"]}
+    volumes = {volume["name"]: volume for volume in template["spec"]["volumes"]}
+    assert mounts["prometheus"] == "/var/run/arc-evictor/prometheus"
+    assert volumes["prometheus"] == {"name": "prometheus", "emptyDir": {}}
     assert container["resources"]["limits"]["nvidia.com/gpu"] == "1"
     assert container["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
 
