@@ -53,6 +53,11 @@ class Belady(EvictionPolicy):
                 uses.setdefault(key, deque()).append(index)
         return cls(capacity, uses)
 
+    def skip(self, keys: Iterable[Key]) -> None:
+        """A request that never ran (rejected): consume its uses without caching anything."""
+        for key in keys:
+            self._consume(key)
+
     def _consume(self, key: Key) -> int:
         queue = self._uses.get(key)
         if queue:

@@ -12,6 +12,7 @@ line naming the problem to stderr and exits with status 2 before any work.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 from dataclasses import fields
@@ -64,6 +65,16 @@ def parse_capacities(text: str, distinct_blocks: int) -> list[int]:
     return sorted(set(capacities))
 
 
+def _writable_folder(path: Path) -> bool:
+    """True if ``path``'s folder exists (or can be made) and takes new files."""
+    folder = path.parent
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return False
+    return os.access(folder, os.W_OK)
+
+
 def _simulate(args: argparse.Namespace) -> int:
     policies = parse_policies(args.policy)
     try:
@@ -75,6 +86,9 @@ def _simulate(args: argparse.Namespace) -> int:
         )
     except (ValueError, ZeroDivisionError) as error:
         raise UsageError(str(error)) from None
+    parse_capacities(args.capacity, 1)  # the syntax, before the trace is read
+    if args.plot and not _writable_folder(args.plot):
+        raise UsageError(f"--plot {args.plot}: cannot write into {args.plot.parent}")
     requests = load_trace(args.trace, args.format, block_tokens=args.block_tokens)
     distinct = len({key for request in requests for key in request.keys})
     capacities = parse_capacities(args.capacity, distinct)
@@ -88,9 +102,11 @@ def _simulate(args: argparse.Namespace) -> int:
         )
         print(table(results))
     if args.plot:
-        written = plot(
-            results, args.plot, f"{Path(args.trace).name} ({distinct:,} distinct blocks)"
-        )
+        title = f"{Path(args.trace).name} ({distinct:,} distinct blocks)"
+        try:
+            written = plot(results, args.plot, title)
+        except OSError as error:
+            raise UsageError(f"--plot {args.plot}: {error.strerror}") from None
         print(f"plot written to {written}", file=sys.stderr if args.json else sys.stdout)
     return 0
 
@@ -108,6 +124,8 @@ def _generate(args: argparse.Namespace) -> int:
         count = write_generated(args.out, requests, args.form, args.block_tokens)
     except ValueError as error:
         raise UsageError(str(error)) from None
+    except OSError as error:
+        raise UsageError(f"cannot write {args.out}: {error.strerror}") from None
     print(f"wrote {count:,} requests ({args.workload}, {args.form} form) to {args.out}")
     return 0
 

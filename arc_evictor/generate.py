@@ -24,6 +24,7 @@ and a new user message; turns are separated by a think time.
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -72,7 +73,7 @@ class ConversationParams:
     sessions: int = 400
     system_prompts: int = 8
     system_tokens: int = 1_000
-    mean_turns: float = 4.0
+    mean_turns: float = 4.0  # at least 1; capped by max_turns
     max_turns: int = 12
     user_tokens: int = 200
     output_tokens: int = 150
@@ -84,8 +85,8 @@ class ConversationParams:
 def _check_positive(params: Any, names: Sequence[str]) -> None:
     for name in names:
         value = getattr(params, name)
-        if not value > 0:
-            raise ValueError(f"{name} must be > 0, got {value}")
+        if not (value > 0 and math.isfinite(value)):
+            raise ValueError(f"{name} must be a finite number > 0, got {value}")
 
 
 def _zipf_sampler(rng: random.Random, n: int, exponent: float) -> list[float]:
@@ -120,8 +121,8 @@ def docqa(params: DocQAParams) -> list[GeneratedRequest]:
     """Document-QA requests, Zipf over documents, Poisson arrivals."""
     _check_positive(params, ("documents", "document_tokens", "questions_per_document"))
     _check_positive(params, ("question_tokens", "output_tokens", "requests_per_second"))
-    if params.zipf_exponent < 0:
-        raise ValueError(f"zipf_exponent must be >= 0, got {params.zipf_exponent}")
+    if not (params.zipf_exponent >= 0 and math.isfinite(params.zipf_exponent)):
+        raise ValueError(f"zipf_exponent must be a finite number >= 0, got {params.zipf_exponent}")
     rng = random.Random(params.seed)
     lengths = [_vary(rng, params.document_tokens) for _ in range(params.documents)]
     # Popularity rank is independent of document id, as in a real corpus.
@@ -149,8 +150,8 @@ def conversation(params: ConversationParams) -> list[GeneratedRequest]:
     """Multi-turn sessions; every turn extends the previous turn's context."""
     _check_positive(params, ("sessions", "system_prompts", "system_tokens", "mean_turns"))
     _check_positive(params, ("max_turns", "user_tokens", "output_tokens", "sessions_per_second"))
-    if params.think_time_s < 0:
-        raise ValueError(f"think_time_s must be >= 0, got {params.think_time_s}")
+    if not (params.think_time_s >= 0 and math.isfinite(params.think_time_s)):
+        raise ValueError(f"think_time_s must be a finite number >= 0, got {params.think_time_s}")
     rng = random.Random(params.seed)
     cumulative = _zipf_sampler(rng, params.system_prompts, 1.0)
     requests = []
@@ -158,8 +159,11 @@ def conversation(params: ConversationParams) -> list[GeneratedRequest]:
     start = 0.0
     for session in range(params.sessions):
         start += rng.expovariate(params.sessions_per_second)
-        extra = 0 if params.mean_turns <= 1 else int(rng.expovariate(1 / (params.mean_turns - 1)))
-        turns = min(params.max_turns, 1 + extra)
+        # Geometric turn count (another turn with probability 1 - 1/mean_turns): mean
+        # mean_turns before the max_turns cap.
+        turns = 1
+        while turns < params.max_turns and rng.random() >= 1 / params.mean_turns:
+            turns += 1
         context: list[Segment] = [(f"system{_draw(rng, cumulative)}", params.system_tokens)]
         now = start
         parent = None
@@ -248,5 +252,10 @@ def write_generated(
     fmt: TraceFormatName,
     block_tokens: int | None = None,
 ) -> int:
-    """Write ``requests`` as a trace file; returns the number of requests."""
+    """Write ``requests`` as a trace file; returns the number of requests.
+
+    Bad parameters raise ValueError before the file is opened.
+    """
+    if block_tokens is not None and block_tokens < 1:
+        raise ValueError(f"block_tokens must be >= 1, got {block_tokens}")
     return write_trace(path, to_records(requests, fmt, block_tokens))

@@ -69,27 +69,6 @@ class BlockPool:
         refs = self._refs
         return sum(1 for key in keys if key not in refs)
 
-    def acquire(self, key: Key) -> bool:
-        """Use ``key`` for a request: True on a hit. A miss makes room and caches it.
-
-        Raises PoolExhausted, before touching the policy, when a miss finds every
-        block pinned.
-        """
-        if key in self._cached:
-            self._pin(key)
-            self.policy.find(key)
-            return True
-        if len(self._refs) >= self.capacity:
-            raise PoolExhausted(f"all {self.capacity} blocks are pinned; cannot cache {key!r}")
-        self._cache_miss(key)
-        return False
-
-    def _pin(self, key: Key) -> None:
-        refs = self._refs.get(key, 0)
-        if not refs:
-            self.policy.pin(key)
-        self._refs[key] = refs + 1
-
     def _cache_miss(self, key: Key) -> None:
         policy = self.policy
         cached = self._cached
@@ -106,15 +85,6 @@ class BlockPool:
         cached.add(key)
         self._refs[key] = 1
 
-    def release(self, key: Key) -> None:
-        """Drop one reference; the block becomes evictable when none are left."""
-        refs = self._refs[key]
-        if refs == 1:
-            del self._refs[key]
-            self.policy.unpin(key)
-        else:
-            self._refs[key] = refs - 1
-
     def remove(self, key: Key) -> None:
         """Drop cached, unpinned ``key`` without history (prefix-cache reset)."""
         if key in self._refs:
@@ -125,31 +95,44 @@ class BlockPool:
     def take(self, keys: Sequence[Key]) -> int:
         """A request takes its blocks; returns its prefix-cache hits in blocks.
 
-        The order is vLLM's: first every block already cached is taken (pinned),
+        The order is vLLM's: first the cached prefix is taken (pinned, then
+        found), as vLLM's ``touch`` does; then every other block already cached,
         so the request's own misses cannot evict them; then the misses are
-        cached. Both passes go tail first (last block first), as DESIGN.md's
+        cached. Each pass goes tail first (last block first), as DESIGN.md's
         sequential mode states. The hit count is the cached prefix before any of
-        this, the first miss ending it. The caller checks that the pool can pin
-        every block (``num_pinned + blocks_to_pin(keys) <= capacity``).
+        this, the first miss ending it.
+
+        Raises PoolExhausted, before changing anything, when the pool cannot pin
+        every block of the request at once.
         """
+        pinned = len(self._refs)
+        # The exact count walks the request; most requests pass the cheap bound.
+        if pinned + len(keys) > self.capacity and pinned + self.blocks_to_pin(keys) > self.capacity:
+            raise PoolExhausted(
+                f"a request of {len(keys)} blocks does not fit: {len(self._refs)} of "
+                f"{self.capacity} blocks are pinned"
+            )
         hits = self.prefix_hits(keys)
         cached = self._cached
-        refs = self._refs
-        policy = self.policy
-        find, pin = policy.find, policy.pin
         misses = []
-        for key in reversed(keys):
+        for key in reversed(keys[:hits]):
+            self._take_cached(key)
+        for key in reversed(keys[hits:]):
             if key in cached:
-                count = refs.get(key, 0)
-                if not count:
-                    pin(key)
-                refs[key] = count + 1
-                find(key)
+                self._take_cached(key)
             else:
                 misses.append(key)
         for key in misses:
             self._cache_miss(key)
         return hits
+
+    def _take_cached(self, key: Key) -> None:
+        refs = self._refs
+        count = refs.get(key, 0)
+        if not count:
+            self.policy.pin(key)
+        refs[key] = count + 1
+        self.policy.find(key)
 
     def give_back(self, keys: Sequence[Key]) -> None:
         """A finished request releases its blocks tail first, as vLLM does."""

@@ -103,17 +103,14 @@ class SimulationResult:
         return row
 
 
-SIMULATOR_POLICIES = "belady"
-
-
 def simulator_policy_names() -> list[str]:
     """Policies the simulator accepts: every registered policy plus Belady's bound."""
-    return [*policy_names(), SIMULATOR_POLICIES]
+    return [*policy_names(), Belady.name]
 
 
 def build_policy(name: str, capacity: int, requests: Sequence[TraceRequest]) -> EvictionPolicy:
     """A registered policy by name, or the Belady oracle built from ``requests``."""
-    if name.strip().lower() == "belady":
+    if name.strip().lower() == Belady.name:
         return Belady.for_requests(capacity, (r.keys for r in requests))
     try:
         return make_policy(name, capacity)
@@ -168,9 +165,7 @@ def _reject(result: SimulationResult, request: TraceRequest, policy: EvictionPol
     result.block_queries += request.num_blocks
     result.input_tokens += request.input_length
     if isinstance(policy, Belady):
-        # The oracle counts uses per find; a rejected request uses nothing.
-        for key in request.keys:
-            policy._consume(key)
+        policy.skip(request.keys)  # the oracle counts uses per find; this request uses none
 
 
 def _percentile(sorted_values: Sequence[float], fraction: float) -> float | None:

@@ -151,6 +151,12 @@ def _parse(
     output_length = _field_int(record, "output_length", 0)
     ids = _hash_ids(record, input_length, block_tokens)
     if fmt == "mooncake":
+        if len(set(ids)) != len(ids):
+            position = next(i for i, block_id in enumerate(ids) if block_id in ids[:i])
+            raise ValueError(
+                f"hash id {ids[position]} repeats at block {position + 1}; Mooncake ids are "
+                "prefix hashes, unique within a request"
+            )
         return TraceRequest(
             index=index,
             line=line,

@@ -48,6 +48,19 @@ from arc_evictor.policies.lru import LRU
 # Fibonacci hashing: spreads interned (consecutive) integer keys over the sample space.
 _GOLDEN = 0x9E3779B97F4A7C15
 _MASK64 = (1 << 64) - 1
+
+
+def _stable_hash(key: Key) -> int:
+    """The same number for the same key in every process and replica.
+
+    ``hash`` of bytes and str changes with PYTHONHASHSEED, and the vLLM plugin's keys are
+    bytes, so sampling by ``hash`` would pick other keys after every restart.
+    """
+    if isinstance(key, bytes):
+        return int.from_bytes(key[:8], "big")
+    return hash(key)
+
+
 # Caches up to this many blocks feed every key to the miniatures.
 _FULL_SAMPLE_BLOCKS = 1024
 EXPERTS = ("arc", "lru", "lfu")
@@ -113,11 +126,10 @@ class Trio(ARC):
 
     def _sampled(self, key: Key) -> bool:
         bits = self._sample_bits
-        return not bits or ((hash(key) * _GOLDEN) & _MASK64) >> (64 - bits) == 0
+        return not bits or ((_stable_hash(key) * _GOLDEN) & _MASK64) >> (64 - bits) == 0
 
     def find(self, key: Key) -> bool:
-        bits = self._sample_bits
-        if not bits or ((hash(key) * _GOLDEN) & _MASK64) >> (64 - bits) == 0:
+        if self._sampled(key):
             hits = self._window_hits
             for index, mini in enumerate(self._minis):
                 hits[index] += _mini_access(mini, key)

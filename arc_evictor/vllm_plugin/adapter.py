@@ -22,8 +22,9 @@ Where blocks live (vLLM's own free queue keeps only blocks without a hash):
 
 Mapping of ``BlockPool`` calls (DESIGN.md's call protocol for the policy):
 
-- ``touch`` (ref 0 -> 1 of a cached block: a committed hit): ``pin`` then ``find``, the
-  order of ``arc_evictor.policies.base`` (a policy never re-orders a block ``pin`` takes out);
+- ``touch`` (ref 0 -> 1 of a cached block: a committed hit): the request's cached prefix,
+  tail first (vLLM passes it head first), each block ``pin`` then ``find``, the order of
+  ``arc_evictor.policies.base`` (a policy never re-orders a block ``pin`` takes out);
 - ``get_new_blocks``: knows the incoming keys of the request being allocated (set by the
   ``allocate_slots``/``allocate_new_blocks`` wrappers) and runs the order of the simulator's
   ``arc_evictor.pool.BlockPool.take``: first every incoming key already resident is taken
@@ -158,7 +159,8 @@ class PolicyBlockPool(BlockPool):
         policy, key_of, metrics = self.policy, self._key_of, self.metrics_collector
         pin, find = policy.pin, policy.find
         hits = pinned = 0
-        for block in blocks:
+        # vLLM passes the prefix head first; the protocol (and the simulator) take it tail first.
+        for block in reversed(blocks):
             key = key_of[block.block_id]
             if key is None:
                 if block.is_null:

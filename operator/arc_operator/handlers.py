@@ -3,14 +3,21 @@
 Create, update (of ``spec``), resume and the status timer all call one ``reconcile``:
 
 1. validate the spec (``models.parse_spec``); an invalid spec touches no child;
-2. apply the children (ConfigMap, Service, Deployment from ``manifests``), each owned by
+2. apply the children (Deployment, Service, ConfigMap from ``manifests``), each owned by
    the ServingPolicy via ``kopf.adopt`` so deleting it deletes them;
 3. read the Deployment's rollout and each ready pod's /metrics (policy, prefix-cache
    counters), and write the whole status in one patch.
 
+Errors: a child the API server refuses for its content (a 4xx other than 404, 409 and 429)
+is permanent: the status says ``Valid=False``/``ApplyRejected`` with the server's message
+and a change handler fails for good (the timer tries again each interval, so a fixed
+admission policy or quota heals). No response, 5xx, 404 (a child vanished mid-apply), 409 and
+429 are transient: kopf retries after ``RETRY_DELAY_S``.
+
 Idempotency: a child is created only if it does not exist (a 409 from a concurrent create
 falls through to apply), and re-applied only when its manifest hash annotation differs or
-its fields drifted, so re-running any handler, or restarting the operator, converges
+its fields drifted (compared as the API server stores them: quantities by value, empty
+strings as absent), so re-running any handler, or restarting the operator, converges
 without duplicates or needless writes.
 
 The timer's interval is fixed when the handlers are registered, so ``register`` takes the
@@ -26,8 +33,10 @@ import hashlib
 import json
 import logging
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from decimal import Decimal
 from typing import Any
 
 import aiohttp
@@ -38,11 +47,32 @@ from arc_operator import manifests as mf
 from arc_operator.kube import ApiError, KubeApi, login, manifest_path, object_path
 from arc_operator.metrics import MetricsError, PodMetrics, hit_rate, parse_metrics
 from arc_operator.models import OperatorConfig, ServingPolicySpec, SpecError, parse_spec
-from arc_operator.status import Observation, Rollout, build_status, status_patch
+from arc_operator.status import (
+    APPLY_REJECTED,
+    INVALID_SPEC,
+    Observation,
+    Rollout,
+    build_status,
+    status_patch,
+)
 
 HASH_ANNOTATION = f"{GROUP}/manifest-hash"
 # How long kopf waits before retrying after a transient API error.
 RETRY_DELAY_S = 10.0
+# 4xx statuses that retrying can cure: the object vanished, a write raced, throttling.
+TRANSIENT_CLIENT_ERRORS = frozenset({404, 409, 429})
+# Kubernetes quantity (resource.Quantity): number, then a binary, decimal or exponent suffix.
+QUANTITY = re.compile(
+    r"^(?P<number>[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+))"
+    r"(?:(?P<suffix>[KMGTPE]i|[numkMGTPE])|[eE](?P<exponent>[+-]?[0-9]+))?$"
+)
+QUANTITY_SUFFIXES = {
+    **{s: Decimal(1024) ** (i + 1) for i, s in enumerate(["Ki", "Mi", "Gi", "Ti", "Pi", "Ei"])},
+    **{s: Decimal(10) ** e for s, e in [("n", -9), ("u", -6), ("m", -3), ("k", 3), ("M", 6)]},
+    **{s: Decimal(10) ** e for s, e in [("G", 9), ("T", 12), ("P", 15), ("E", 18)]},
+}
+# Keys whose values the API server stores as canonical quantities ("0.5" becomes "500m").
+QUANTITY_MAPS = frozenset({"requests", "limits"})
 # How long a running status/repair pass may take to finish when the operator stops.
 SHUTDOWN_GRACE_S = 10.0
 
@@ -79,15 +109,32 @@ def manifest_hash(manifest: Mapping[str, Any]) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
 
-def is_subset(desired: Any, actual: Any) -> bool:
-    """Whether every field of ``desired`` is in ``actual`` with the same value.
+def quantity(text: str) -> Decimal | None:
+    """The value of a Kubernetes quantity ("500m" is 0.5, "1Gi" is 2**30); None if not one."""
+    match = QUANTITY.match(text)
+    if match is None:
+        return None
+    number = Decimal(match["number"])
+    if match["exponent"] is not None:
+        return number.scaleb(int(match["exponent"]))
+    return number * QUANTITY_SUFFIXES[match["suffix"]] if match["suffix"] else number
+
+
+def is_subset(desired: Any, actual: Any, *, quantities: bool = False) -> bool:
+    """Whether every field of ``desired`` is in ``actual`` with the same value, as the API
+    server stores it.
 
     Lists must match element by element; extra fields in ``actual`` (server defaults,
-    other labels) are ignored.
+    other labels) are ignored. The server's canonical forms count as equal: an empty string
+    matches an absent field (Go's ``omitempty``), and under ``requests``/``limits`` quantities
+    compare by value ("0.5" is "500m").
     """
     if isinstance(desired, Mapping):
         return isinstance(actual, Mapping) and all(
-            key in actual and is_subset(value, actual[key]) for key, value in desired.items()
+            is_subset(value, actual[key], quantities=key in QUANTITY_MAPS)
+            if key in actual
+            else value == ""
+            for key, value in desired.items()
         )
     if isinstance(desired, list):
         return (
@@ -95,6 +142,9 @@ def is_subset(desired: Any, actual: Any) -> bool:
             and len(desired) == len(actual)
             and all(is_subset(d, a) for d, a in zip(desired, actual, strict=True))
         )
+    if quantities and isinstance(desired, str) and isinstance(actual, str):
+        value = quantity(desired)
+        return value is not None and value == quantity(actual)
     return bool(desired == actual)
 
 
@@ -118,10 +168,15 @@ async def apply_child(api: KubeApi, manifest: dict[str, Any]) -> str:
     return "applied"
 
 
+def rejected(error: ApiError) -> bool:
+    """Whether the API server refused a request for its content (retrying cannot help)."""
+    return 400 <= error.status < 500 and error.status not in TRANSIENT_CLIENT_ERRORS
+
+
 async def apply_children(
     api: KubeApi, body: kopf.Body, spec: ServingPolicySpec, logger: logging.Logger | Any
 ) -> None:
-    """Apply every child of ``body`` in order, owned by it."""
+    """Apply every child of ``body`` in order, owned by it; stop at the first error."""
     for manifest in mf.children(body.meta.name or "", body.meta.namespace or "", spec):
         kopf.adopt(manifest, owner=body)
         outcome = await apply_child(api, manifest)
@@ -206,6 +261,7 @@ async def _reconcile_locked(
     strict: bool,
 ) -> None:
     name, namespace = body.meta.name or "", body.meta.namespace or ""
+    reason = INVALID_SPEC
     try:
         parsed: ServingPolicySpec | None = parse_spec(spec)
         error = None
@@ -213,7 +269,12 @@ async def _reconcile_locked(
         parsed, error = None, str(problem)
     try:
         if parsed is not None:
-            await apply_children(runtime.api, body, parsed, logger)
+            try:
+                await apply_children(runtime.api, body, parsed, logger)
+            except ApiError as problem:
+                if not rejected(problem):
+                    raise
+                parsed, error, reason = None, str(problem), APPLY_REJECTED
         deployment = await runtime.api.get(object_path("apps/v1", "deployments", namespace, name))
         scraped, unreachable, live = await scrape(runtime, namespace, name)
     except ApiError as problem:
@@ -233,11 +294,12 @@ async def _reconcile_locked(
         scraped=scraped,
         unreachable=unreachable,
         hit_rate=hit_rate(previous, scraped),
+        error_reason=reason,
     )
     patch.status.update(status_patch(build_status(seen, status, _now())))
     if error is not None and strict:
-        kopf.warn(body, reason="InvalidSpec", message=error)
-        raise kopf.PermanentError(f"invalid spec, nothing changed: {error}")
+        kopf.warn(body, reason=reason, message=error)
+        raise kopf.PermanentError(f"spec not applied ({reason}): {error}")
 
 
 def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:

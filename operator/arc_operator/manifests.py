@@ -5,11 +5,13 @@ which is what makes reconciliation idempotent and lets tests validate the object
 the Kubernetes schemas. Ownership (``ownerReferences``) is added by the handler with
 ``kopf.adopt``, since it needs the live object's uid.
 
-The policy reaches the pods through the ConfigMap ``NAME-policy`` (``policy.json``). With
-``switchMode: Hot`` the pod template does not mention the policy at all, so a policy change
-rewrites only the ConfigMap and the plugin switches live. With ``Restart`` the template
-carries the policy in an annotation, so a policy change is a template change and the
-Deployment rolls (maxUnavailable 0: old pods serve until new ones are ready).
+The ConfigMap ``NAME-policy`` (``policy.json``) always holds the spec's policy. With
+``switchMode: Hot`` the pods mount it (``ARC_EVICTOR_CONFIG``) and the pod template does not
+mention the policy, so a policy change rewrites only the ConfigMap and the plugin switches
+live. With ``Restart`` the pods do not mount it: the template carries the policy in
+``ARC_EVICTOR_POLICY``, so a policy change is a template change, the Deployment rolls
+(maxUnavailable 0: old pods serve until new ones are ready), and each old pod keeps its
+policy until it is replaced.
 """
 
 from __future__ import annotations
@@ -27,13 +29,13 @@ HEALTH_PATH = "/health"
 CONFIG_DIR = "/etc/arc-evictor"
 CONFIG_KEY = "policy.json"
 CONFIG_ENV = "ARC_EVICTOR_CONFIG"
+POLICY_ENV = "ARC_EVICTOR_POLICY"
 # The plugin's arc_evictor_* metrics are written by the engine-core process and reach the
 # API server's /metrics only through prometheus_client's multiprocess files: an emptyDir,
 # fresh at every pod start as vLLM wants.
 METRICS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 METRICS_DIR = "/var/run/arc-evictor/prometheus"
 GPU_RESOURCE = "nvidia.com/gpu"
-POLICY_ANNOTATION = f"{GROUP}/policy"
 POLICY_LABEL = f"{GROUP}/servingpolicy"
 ENGINE_NAME = "arc-serving-engine"
 MANAGED_BY = "arc-serving-operator"
@@ -136,19 +138,28 @@ def _probe(period: int, failures: int) -> dict[str, Any]:
     }
 
 
+def _hot(spec: ServingPolicySpec) -> bool:
+    return spec.switch_mode is SwitchMode.HOT
+
+
 def _env(spec: ServingPolicySpec) -> list[dict[str, Any]]:
-    owned = [
-        {"name": CONFIG_ENV, "value": f"{CONFIG_DIR}/{CONFIG_KEY}"},
-        {"name": METRICS_DIR_ENV, "value": METRICS_DIR},
-    ]
+    policy = (
+        {"name": CONFIG_ENV, "value": f"{CONFIG_DIR}/{CONFIG_KEY}"}
+        if _hot(spec)
+        else {"name": POLICY_ENV, "value": spec.policy_name}
+    )
+    owned = [policy, {"name": METRICS_DIR_ENV, "value": METRICS_DIR}]
     return owned + [var.model_dump(by_alias=True, exclude_none=True) for var in spec.env]
 
 
 def pod_template(name: str, spec: ServingPolicySpec) -> dict[str, Any]:
     """The pod template; it names the policy only in Restart mode (see the module doc)."""
-    metadata: dict[str, Any] = {"labels": labels(name)}
-    if spec.switch_mode is SwitchMode.RESTART:
-        metadata["annotations"] = {POLICY_ANNOTATION: spec.policy_name}
+    # Only Hot pods mount the policy ConfigMap: a mounted file would switch Restart pods live.
+    policy_mounts = [{"name": "policy", "mountPath": CONFIG_DIR, "readOnly": True}]
+    # A whole-directory mount (not subPath) so kubelet updates reach the pod.
+    policy_volumes = [{"name": "policy", "configMap": {"name": config_map_name(name)}}]
+    if not _hot(spec):
+        policy_mounts, policy_volumes = [], []
     container = {
         "name": CONTAINER,
         "image": spec.image,
@@ -162,20 +173,19 @@ def pod_template(name: str, spec: ServingPolicySpec) -> dict[str, Any]:
         "livenessProbe": _probe(period=10, failures=3),
         "resources": _resources(spec),
         "volumeMounts": [
-            {"name": "policy", "mountPath": CONFIG_DIR, "readOnly": True},
+            *policy_mounts,
             {"name": "dshm", "mountPath": "/dev/shm"},
             {"name": "prometheus", "mountPath": METRICS_DIR},
         ],
     }
     return {
-        "metadata": metadata,
+        "metadata": {"labels": labels(name)},
         "spec": {
             # Service links would inject VLLM_PORT-style variables that vLLM misreads.
             "enableServiceLinks": False,
             "containers": [container],
             "volumes": [
-                # A whole-directory mount (not subPath) so kubelet updates reach the pod.
-                {"name": "policy", "configMap": {"name": config_map_name(name)}},
+                *policy_volumes,
                 {"name": "dshm", "emptyDir": {"medium": "Memory"}},
                 {"name": "prometheus", "emptyDir": {}},
             ],
@@ -202,9 +212,15 @@ def deployment(name: str, namespace: str, spec: ServingPolicySpec) -> dict[str, 
 
 
 def children(name: str, namespace: str, spec: ServingPolicySpec) -> list[dict[str, Any]]:
-    """Every child in apply order: the ConfigMap first, since the pods mount it."""
+    """Every child in apply order: the Deployment first.
+
+    The Deployment is the child the API server may reject for what the spec holds
+    (resources, env, image); going first, a rejected spec leaves the running pods' policy
+    ConfigMap as it was. A new Deployment's pods wait for their ConfigMap volume, which
+    follows at once.
+    """
     return [
-        config_map(name, namespace, spec),
-        service(name, namespace, spec),
         deployment(name, namespace, spec),
+        service(name, namespace, spec),
+        config_map(name, namespace, spec),
     ]

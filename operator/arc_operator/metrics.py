@@ -18,7 +18,10 @@ from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
 
-POLICY_INFO = "arc_evictor_policy_info"
+from arc_evictor.vllm_plugin.metrics import METRIC_NAMES
+
+# The plugin names its metrics once; its info gauge is the one ending in _policy_info.
+(POLICY_INFO,) = (name for name in METRIC_NAMES if name.endswith("_policy_info"))
 HITS = "vllm:prefix_cache_hits_total"
 QUERIES = "vllm:prefix_cache_queries_total"
 

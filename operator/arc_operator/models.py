@@ -44,10 +44,29 @@ OWNED_ENGINE_ARGS = frozenset(
         "--max-model-len",
     }
 )
+# Kubernetes' quantity syntax (k8s.io/apimachinery resource.Quantity), without a sign: a
+# request is never negative. "four" fails here and in the CRD instead of at the API server.
+QUANTITY_PATTERN = (
+    r"^\+?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))"
+    r"(([KMGTPE]i)|[numkMGTPE]|([eE][+-]?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
+)
 # Environment variables the operator sets itself; env may not override them.
 OWNED_ENV = frozenset({"ARC_EVICTOR_CONFIG", "ARC_EVICTOR_POLICY", "PROMETHEUS_MULTIPROC_DIR"})
 # vLLM's GPU block tables are built for block sizes that are multiples of 16 tokens.
 BLOCK_SIZE_MULTIPLE = 16
+
+
+def _owned_flag(arg: str) -> str | None:
+    """The owned vLLM flag ``arg`` sets, if any, the way vLLM's parser reads it.
+
+    vLLM's FlexibleArgumentParser turns ``_`` into ``-`` in flag names, and argparse accepts
+    any unambiguous prefix (``--block-si`` is ``--block-size``); no vLLM flag is itself a
+    prefix of an owned one, so every prefix of an owned flag is refused.
+    """
+    if not arg.startswith("--") or arg == "--":
+        return None
+    flag = arg.split("=", 1)[0].replace("_", "-")
+    return next((owned for owned in sorted(OWNED_ENGINE_ARGS) if owned.startswith(flag)), None)
 
 
 class SpecError(ValueError):
@@ -117,10 +136,14 @@ class ResourcesSpec(_Frozen):
 
     gpus: int = Field(default=1, ge=0, description="NVIDIA GPUs per pod (nvidia.com/gpu).")
     cpu: str | None = Field(
-        default=None, min_length=1, description="CPU request and limit (a quantity)."
+        default=None,
+        pattern=QUANTITY_PATTERN,
+        description="CPU request and limit (a Kubernetes quantity: 4, 500m).",
     )
     memory: str | None = Field(
-        default=None, min_length=1, description="Memory request and limit (a quantity)."
+        default=None,
+        pattern=QUANTITY_PATTERN,
+        description="Memory request and limit (a Kubernetes quantity: 16Gi, 512M).",
     )
 
 
@@ -190,7 +213,7 @@ class ServingPolicySpec(_Frozen):
                 f"cannot serve maxModelLen={self.max_model_len}: the cache holds only "
                 f"numBlocks*blockSize={self.cache.num_blocks * self.cache.block_size} tokens"
             )
-        owned_args = sorted({arg.split("=", 1)[0] for arg in self.engine_args} & OWNED_ENGINE_ARGS)
+        owned_args = sorted({flag for arg in self.engine_args if (flag := _owned_flag(arg))})
         if owned_args:
             problems.append(
                 f"engineArgs may not set {', '.join(owned_args)} (set by the operator from spec)"

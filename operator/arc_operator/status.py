@@ -6,12 +6,13 @@ in that order. Ready is True only when every dependency holds; otherwise it copi
 reason and message of the first dependency that is False, or, if none is False, of the first
 that is Unknown. ``lastTransitionTime`` moves only when a condition's status changes.
 
-- ``Valid``: the spec passed validation (False: reason ``InvalidSpec``; nothing running was
-  changed).
+- ``Valid``: the spec passed validation (False: reason ``InvalidSpec``, nothing running was
+  changed; or ``ApplyRejected``, the API server refused a child built from it, with its
+  message).
 - ``PolicyApplied``: every ready pod reports the spec's policy on /metrics (True:
   ``PolicyActive``; False: ``Switching`` while pods differ, or ``InvalidSpec``; Unknown:
   ``NoReadyPods``, or ``MetricsUnavailable`` when a ready pod's /metrics could not be read;
-  True ``NoReplicas`` at 0 replicas).
+  True ``NoReplicas`` at 0 replicas; False with Valid's reason when Valid is False).
 - ``Ready``: see above; at 0 replicas it is False with reason ``ScaledToZero``.
 """
 
@@ -32,35 +33,60 @@ from arc_operator.models import (
 )
 
 VALID, POLICY_APPLIED, READY = "Valid", "PolicyApplied", "Ready"
+INVALID_SPEC, APPLY_REJECTED = "InvalidSpec", "ApplyRejected"
 
 
 @dataclass(frozen=True, slots=True)
 class Rollout:
-    """The Deployment's progress, from its status (all zero before it exists)."""
+    """The Deployment's progress, from its status (all zero before it exists).
+
+    ``generation`` is the Deployment's ``metadata.generation`` and ``observed`` its
+    ``status.observedGeneration``: until the controller has observed the latest template,
+    the counts describe the previous one.
+    """
 
     replicas: int = 0
     ready: int = 0
     updated: int = 0
+    generation: int = 0
+    observed: int = 0
 
     @classmethod
     def from_deployment(cls, deployment: Mapping[str, Any] | None) -> Rollout:
-        """Read ``status.replicas``, ``readyReplicas`` and ``updatedReplicas``."""
-        status = (deployment or {}).get("status") or {}
+        """Read ``status.replicas``, ``readyReplicas``, ``updatedReplicas`` and the
+        generations."""
+        deployment = deployment or {}
+        status = deployment.get("status") or {}
         return cls(
             replicas=int(status.get("replicas") or 0),
             ready=int(status.get("readyReplicas") or 0),
             updated=int(status.get("updatedReplicas") or 0),
+            generation=int((deployment.get("metadata") or {}).get("generation") or 0),
+            observed=int(status.get("observedGeneration") or 0),
         )
 
+    @property
+    def observed_latest(self) -> bool:
+        """The controller has seen the current template (as ``kubectl rollout status``)."""
+        return self.observed >= self.generation
+
     def complete(self, desired: int) -> bool:
-        """Every desired pod runs the current template and is ready; no old pod is left."""
-        return self.updated == desired and self.ready >= desired and self.replicas == desired
+        """The controller saw the current template, every desired pod runs it and is
+        ready, and no old pod is left."""
+        return (
+            self.observed_latest
+            and self.updated == desired
+            and self.ready >= desired
+            and self.replicas == desired
+        )
 
 
 @dataclass(frozen=True, slots=True)
 class Observation:
     """Everything one status pass saw. ``scraped`` maps ready pods to their readings;
-    ``unreachable`` counts ready pods whose /metrics could not be read."""
+    ``unreachable`` counts ready pods whose /metrics could not be read. ``spec`` is None
+    exactly when ``error`` says why the spec was not acted on (``error_reason``:
+    ``InvalidSpec`` or ``ApplyRejected``)."""
 
     generation: int | None
     spec: ServingPolicySpec | None
@@ -69,6 +95,7 @@ class Observation:
     scraped: Mapping[str, PodMetrics]
     unreachable: int
     hit_rate: float | None
+    error_reason: str = INVALID_SPEC
 
 
 def _condition(
@@ -97,8 +124,8 @@ def _policy_applied(seen: Observation) -> tuple[ConditionStatus, str, str]:
     if spec is None:
         return (
             ConditionStatus.FALSE,
-            "InvalidSpec",
-            "the spec is invalid; pods keep their previous policy",
+            seen.error_reason,
+            "the spec was not applied; pods keep their previous policy",
         )
     wanted = spec.policy_name
     if spec.replicas == 0:
@@ -142,8 +169,15 @@ def _ready(
     desired = seen.spec.replicas
     if desired == 0:
         return ConditionStatus.FALSE, "ScaledToZero", "replicas is 0"
-    if not seen.rollout.complete(desired):
-        r = seen.rollout
+    r = seen.rollout
+    if not r.observed_latest:
+        return (
+            ConditionStatus.FALSE,
+            "RolloutInProgress",
+            f"the Deployment controller has not yet observed generation {r.generation} "
+            f"(observed {r.observed})",
+        )
+    if not r.complete(desired):
         return (
             ConditionStatus.FALSE,
             "RolloutInProgress",
@@ -169,7 +203,7 @@ def build_status(
         return _condition(old_conditions, type_, *verdict, seen.generation, now)
 
     if seen.spec is None:
-        valid = condition(VALID, (ConditionStatus.FALSE, "InvalidSpec", seen.error or ""))
+        valid = condition(VALID, (ConditionStatus.FALSE, seen.error_reason, seen.error or ""))
     else:
         valid = condition(VALID, (ConditionStatus.TRUE, "SpecValid", "the spec is valid"))
     applied = condition(POLICY_APPLIED, _policy_applied(seen))

@@ -14,6 +14,7 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
+from arc_operator.manifests import PORT, PORT_NAME, labels
 from arc_operator.models import parse_spec
 from chart_helpers import (
     CHART,
@@ -38,6 +39,19 @@ CUSTOM_KINDS = {"ServingPolicy", "PodMonitor", "ServiceMonitor", "PrometheusRule
 DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 # helm refuses release names longer than 53 characters.
 LONGEST_RELEASE = "r" * 53
+# Resources without a namespace, which a RoleBinding cannot grant (the operator has none today).
+CLUSTER_SCOPED = {
+    "customresourcedefinitions",
+    "namespaces",
+    "nodes",
+    "persistentvolumes",
+    "clusterkopfpeerings",
+    "clusterroles",
+    "clusterrolebindings",
+    "storageclasses",
+    "ingressclasses",
+    "priorityclasses",
+}
 
 
 def ci_ids(path: Path) -> str:
@@ -53,6 +67,14 @@ def pod_specs(objects: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]
         elif obj["kind"] in {"Deployment", "Job"}:
             specs.append((obj["metadata"]["name"], obj["spec"]["template"]["spec"]))
     return specs
+
+
+def component(objects: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
+    """The single rendered object of one kind that belongs to one chart component."""
+    return one(
+        [o for o in objects if o["metadata"]["labels"].get("app.kubernetes.io/component") == name],
+        kind,
+    )
 
 
 def test_ci_variants_exist() -> None:
@@ -149,12 +171,13 @@ def test_operator_watches_all_namespaces_with_a_cluster_role() -> None:
     assert container["command"] == ["kopf"]
     assert container["args"][:3] == ["run", "-m", "arc_operator.handlers"]
     assert "--all-namespaces" in container["args"]
+    # ARC_OPERATOR_METRICS_PORT is left at its default, the engine pods' port.
     env = {var["name"]: var["value"] for var in container["env"]}
-    assert env == {"ARC_OPERATOR_METRICS_PORT": "8000", "ARC_OPERATOR_STATUS_INTERVAL": "30"}
+    assert env == {"ARC_OPERATOR_STATUS_INTERVAL": "30"}
     rules = yaml.safe_load(RBAC_FILE.read_text(encoding="utf-8"))
     assert one(objects, "ClusterRole")["rules"] == rules
     binding = one(objects, "ClusterRoleBinding")
-    account = one(objects, "ServiceAccount")["metadata"]["name"]
+    account = component(objects, "ServiceAccount", "operator")["metadata"]["name"]
     assert binding["subjects"] == [
         {"kind": "ServiceAccount", "name": account, "namespace": NAMESPACE}
     ]
@@ -166,18 +189,31 @@ def test_operator_confined_to_namespaces_gets_role_bindings_only_there() -> None
     args = one(objects, "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
     assert "--namespace=team-a" in args and "--namespace=team-b" in args
     assert "--all-namespaces" not in args
-    assert not by_kind(objects, "ClusterRoleBinding") or all(
-        binding["roleRef"]["name"].endswith("-operator-cluster")
-        for binding in by_kind(objects, "ClusterRoleBinding")
-    )
+    assert not by_kind(objects, "ClusterRoleBinding")
+    role = one(objects, "ClusterRole")
+    assert role["rules"] == yaml.safe_load(RBAC_FILE.read_text(encoding="utf-8"))
     bindings = by_kind(objects, "RoleBinding")
     assert sorted(b["metadata"]["namespace"] for b in bindings) == ["team-a", "team-b"]
     assert {b["subjects"][0]["name"] for b in bindings} == {"arc-operator"}
+    assert {b["roleRef"]["name"] for b in bindings} == {role["metadata"]["name"]}
     assert not by_kind(objects, "ServiceAccount")
-    # Namespaced and cluster-scoped rules together are exactly the operator's rules.
-    granted = [rule for role in by_kind(objects, "ClusterRole") for rule in role["rules"]]
+
+
+def test_operator_rules_are_all_namespaced_so_role_bindings_grant_them() -> None:
     rules = yaml.safe_load(RBAC_FILE.read_text(encoding="utf-8"))
-    assert sorted(map(str, granted)) == sorted(map(str, rules))
+    resources = {resource.split("/")[0] for rule in rules for resource in rule["resources"]}
+    assert resources and not resources & CLUSTER_SCOPED, resources & CLUSTER_SCOPED
+
+
+def test_watched_namespaces_including_the_release_namespace_reconcile_the_default_policy() -> None:
+    objects = render(sets={"operator.watchNamespaces": f"{{{NAMESPACE},team-a}}"})
+    assert one(objects, "ServingPolicy")["metadata"]["namespace"] == NAMESPACE
+    namespaces = sorted(
+        b["metadata"]["namespace"]
+        for b in by_kind(objects, "RoleBinding")
+        if b["metadata"]["labels"]["app.kubernetes.io/component"] == "operator"
+    )
+    assert namespaces == sorted([NAMESPACE, "team-a"])
 
 
 def test_operator_rbac_never_grants_wildcards_or_secrets() -> None:
@@ -201,9 +237,9 @@ def test_ingress_streams_to_the_servingpolicy_service() -> None:
     rule = ingress["spec"]["rules"][0]
     assert rule["host"] == "llm.example.com"
     backend = rule["http"]["paths"][0]["backend"]["service"]
-    # The operator names the Service after the ServingPolicy; port "http" is 8000.
+    # The operator names the Service after the ServingPolicy, with its port named PORT_NAME.
     service = one(objects, "ServingPolicy")["metadata"]["name"]
-    assert backend == {"name": service, "port": {"name": "http"}}
+    assert backend == {"name": service, "port": {"name": PORT_NAME}}
 
 
 def test_ingress_without_host_matches_every_host() -> None:
@@ -277,16 +313,18 @@ def test_loadtest_without_ingress_targets_the_serving_service() -> None:
     objects = render(sets={"loadtest.enabled": "true", "loadtest.trace.existingConfigMap": "t"})
     master = next(j for j in by_kind(objects, "Job") if "lt-master" in j["metadata"]["name"])
     args = master["spec"]["template"]["spec"]["containers"][0]["args"]
-    assert f"--host=http://{RELEASE}-arc-serving.{NAMESPACE}.svc:8000" in args
+    assert f"--host=http://{RELEASE}-arc-serving.{NAMESPACE}.svc:{PORT}" in args
 
 
 def test_new_run_id_replaces_the_loadtest_jobs() -> None:
     base = {"loadtest.enabled": "true", "loadtest.trace.existingConfigMap": "t"}
-    first = {j["metadata"]["name"] for j in by_kind(render(sets=base), "Job")}
-    again = {j["metadata"]["name"] for j in by_kind(render(sets=base), "Job")}
-    rerun = {
-        j["metadata"]["name"] for j in by_kind(render(sets={**base, "loadtest.runId": "2"}), "Job")
-    }
+
+    def job_names(sets: dict[str, str]) -> set[str]:
+        jobs = by_kind(render(sets=sets), "Job")
+        return {j["metadata"]["name"] for j in jobs if "-lt-" in j["metadata"]["name"]}
+
+    first, again = job_names(base), job_names(base)
+    rerun = job_names({**base, "loadtest.runId": "2"})
     assert first == again
     assert len(first) == 2 and not first & rerun
 
@@ -297,8 +335,8 @@ def test_helm_test_hook_checks_health_and_model() -> None:
     assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
     script = pod["spec"]["containers"][0]["args"][0]
     service = one(objects, "ServingPolicy")["metadata"]["name"]
-    assert f"http://{service}:8000/health" in script
-    assert f"http://{service}:8000/v1/models" in script
+    assert f"http://{service}:{PORT}/health" in script
+    assert f"http://{service}:{PORT}/v1/models" in script
     assert '"id":"Qwen/Qwen2.5-0.5B-Instruct"' in script
 
 
@@ -316,37 +354,147 @@ def test_dashboards_configmap_carries_the_dashboard_files_for_the_sidecar() -> N
 
 
 def test_monitors_select_engine_pods_and_label_series_by_servingpolicy() -> None:
-    objects = render(ci_values("monitoring-values.yaml"))
-    pod_monitor, service_monitor = one(objects, "PodMonitor"), one(objects, "ServiceMonitor")
-    # The labels the operator puts on engine pods and Services (conventions).
-    engine_labels = {
-        "app.kubernetes.io/name": "arc-serving-engine",
-        "app.kubernetes.io/managed-by": "arc-serving-operator",
-    }
+    pod_monitor = one(render(ci_values("monitoring-values.yaml")), "PodMonitor")
+    service_monitor = one(
+        render(sets={"monitoring.serviceMonitor.enabled": "true"}), "ServiceMonitor"
+    )
+    # The labels the operator puts on the engine pods and Services of any ServingPolicy.
+    engine_labels = labels("any")
     for monitor, endpoints in (
         (pod_monitor, pod_monitor["spec"]["podMetricsEndpoints"]),
         (service_monitor, service_monitor["spec"]["endpoints"]),
     ):
-        assert monitor["spec"]["selector"]["matchLabels"].items() <= engine_labels.items()
-        assert monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"
-        assert endpoints[0]["port"] == "http" and endpoints[0]["path"] == "/metrics"
+        selector = monitor["spec"]["selector"]["matchLabels"]
+        assert selector and selector.items() <= engine_labels.items()
+        assert "app.kubernetes.io/instance" not in selector, "every ServingPolicy is scraped"
+        assert endpoints[0]["port"] == PORT_NAME and endpoints[0]["path"] == "/metrics"
         assert endpoints[0]["relabelings"] == [
             {
                 "sourceLabels": ["__meta_kubernetes_pod_label_arcserving_io_servingpolicy"],
                 "targetLabel": "servingpolicy",
             }
         ]
+    assert pod_monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"
     assert pod_monitor["spec"]["namespaceSelector"] == {"any": True}
     assert "namespaceSelector" not in service_monitor["spec"]
 
 
-def test_notes_show_how_to_reach_the_api_and_run_the_load_test() -> None:
-    result = run(
-        [tool("helm"), "install", RELEASE, CHART, "--namespace", NAMESPACE, "--dry-run=client"]
+def test_ingress_to_an_existing_service_without_the_default_servingpolicy() -> None:
+    objects = render(
+        sets={
+            "servingPolicy.enabled": "false",
+            "ingress.enabled": "true",
+            "ingress.serviceName": "chat",
+            "loadtest.enabled": "true",
+            "loadtest.trace.existingConfigMap": "t",
+        }
     )
+    assert not by_kind(objects, "ServingPolicy")
+    backend = one(objects, "Ingress")["spec"]["rules"][0]["http"]["paths"][0]["backend"]
+    assert backend["service"]["name"] == "chat"
+    master = next(j for j in by_kind(objects, "Job") if "lt-master" in j["metadata"]["name"])
+    args = master["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert f"--host=http://chat.{NAMESPACE}.svc:{PORT}" in args
+
+
+def hook_objects(objects: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The objects of the pre-delete cleanup hook."""
+    return [
+        o
+        for o in objects
+        if o["metadata"].get("annotations", {}).get("helm.sh/hook") == "pre-delete"
+    ]
+
+
+def test_pre_delete_hook_deletes_the_default_servingpolicy_and_waits() -> None:
+    objects = render(ci_values("cpu-values.yaml"))
+    hooks = hook_objects(objects)
+    assert sorted(o["kind"] for o in hooks) == ["Job", "Role", "RoleBinding", "ServiceAccount"]
+    job = one(hooks, "Job")
+    weights = {o["kind"]: int(o["metadata"]["annotations"]["helm.sh/hook-weight"]) for o in hooks}
+    assert all(weights[kind] < weights["Job"] for kind in ("ServiceAccount", "Role", "RoleBinding"))
+    for obj in hooks:
+        policy = obj["metadata"]["annotations"]["helm.sh/hook-delete-policy"].split(",")
+        assert {"before-hook-creation", "hook-succeeded"} <= set(policy), obj["kind"]
+    pod = job["spec"]["template"]["spec"]
+    args = pod["containers"][0]["args"]
+    policy_name = one(objects, "ServingPolicy")["metadata"]["name"]
+    assert args[:3] == ["delete", "servingpolicies.arcserving.io", policy_name]
+    assert f"--namespace={NAMESPACE}" in args and "--wait=true" in args
+    assert "--timeout=4m" in args and "--ignore-not-found" in args
+    # The Job's own ServiceAccount may only touch ServingPolicies, in the release namespace.
+    account = one(hooks, "ServiceAccount")["metadata"]["name"]
+    assert pod["serviceAccountName"] == account
+    binding, role = one(hooks, "RoleBinding"), one(hooks, "Role")
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": account, "namespace": NAMESPACE}
+    ]
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "Role",
+        "name": role["metadata"]["name"],
+    }
+    assert role["metadata"]["namespace"] == NAMESPACE
+    assert role["rules"] == [
+        {
+            "apiGroups": ["arcserving.io"],
+            "resources": ["servingpolicies"],
+            "verbs": ["get", "list", "watch", "delete"],
+        }
+    ]
+
+
+@pytest.mark.parametrize(
+    "sets",
+    [{"servingPolicy.enabled": "false"}, {"cleanup.enabled": "false"}],
+    ids=["no-default-servingpolicy", "cleanup-disabled"],
+)
+def test_no_pre_delete_hook_without_a_chart_managed_servingpolicy(sets: dict[str, str]) -> None:
+    assert not hook_objects(render(sets=sets))
+
+
+def notes(*sets: str) -> str:
+    """NOTES.txt as `helm install --dry-run` prints it, with --set pairs."""
+    args: list[str | Path] = [tool("helm"), "install", RELEASE, CHART, "--namespace", NAMESPACE]
+    for pair in sets:
+        args += ["--set", pair]
+    result = run([*args, "--dry-run=client"])
     assert result.returncode == 0, result.stderr
-    notes = result.stdout.split("NOTES:", 1)[1]
-    assert f"kubectl -n {NAMESPACE} port-forward service/{RELEASE}-arc-serving 8000:http" in notes
-    assert "--set loadtest.enabled=true" in notes
-    assert f"helm test {RELEASE}" in notes
-    assert "arc-serving / ARC internals" in notes
+    return result.stdout.split("NOTES:", 1)[1]
+
+
+def test_notes_show_how_to_reach_the_api_and_run_the_load_test() -> None:
+    text = notes()
+    assert (
+        f"kubectl -n {NAMESPACE} port-forward service/{RELEASE}-arc-serving {PORT}:{PORT_NAME}"
+        in text
+    )
+    assert "--set loadtest.enabled=true" in text
+    assert f"helm test {RELEASE}" in text
+    assert "arc-serving / ARC internals" in text
+
+
+def test_notes_switch_the_chart_managed_policy_through_helm_not_kubectl() -> None:
+    text = notes()
+    assert "--reuse-values --set servingPolicy.policy=LRU" in text
+    assert "patch servingpolicy" not in text and "edit servingpolicy" not in text
+
+
+def test_notes_apply_the_crd_before_helm_upgrade() -> None:
+    text = notes()
+    assert text.index("kubectl apply -f <chart>/crds/") < text.index(
+        f"helm upgrade {RELEASE} <chart> -n {NAMESPACE} --reuse-values\n"
+    )
+
+
+def test_notes_tell_to_delete_servingpolicies_before_uninstall_without_the_hook() -> None:
+    text = notes("cleanup.enabled=false")
+    delete = "kubectl delete servingpolicies --all --wait --all-namespaces"
+    assert text.index(delete) < text.index(f"helm uninstall {RELEASE}")
+
+
+def test_notes_mention_missing_metrics_only_with_dashboards() -> None:
+    hint = "The dashboards need the engines' metrics"
+    assert hint in notes()
+    assert hint not in notes("dashboards.enabled=false")
+    assert hint not in notes("monitoring.podMonitor.enabled=true")

@@ -59,6 +59,12 @@ TRACE = "loadtest.trace"
             {"servingPolicy.name": "Bad_Name"}, "/servingPolicy/name", id="servingpolicy-name"
         ),
         pytest.param({"replicas": "2"}, "additional properties 'replicas'", id="unknown-key"),
+        pytest.param(
+            {"operator.metricsPort": "9000"},
+            "additional properties 'metricsPort'",
+            id="removed-metrics-port",
+        ),
+        pytest.param({"cleanup.timeout": "soon"}, "/cleanup/timeout", id="cleanup-timeout"),
         pytest.param({"operator.logLevel": "loud"}, "/operator/logLevel", id="operator-log-level"),
         pytest.param(
             {"ingress.enabled": "true", "ingress.tls.enabled": "true"},
@@ -118,6 +124,34 @@ def test_schema_rejects_bad_values(sets: dict[str, str], message: str) -> None:
             "ArcServingPrefixCacheHitRateDrop",
             id="unknown-alert",
         ),
+        pytest.param(
+            {"operator.watchNamespaces": "{team-a,team-b}"},
+            "operator.watchNamespaces (team-a, team-b) does not include the release namespace "
+            '"llm", where the chart creates the default ServingPolicy',
+            id="default-policy-outside-watched-namespaces",
+        ),
+        pytest.param(
+            {"servingPolicy.enabled": "false", "ingress.enabled": "true"},
+            "servingPolicy.enabled is false, so the chart creates no ServingPolicy and no Service",
+            id="ingress-without-service",
+        ),
+        pytest.param(
+            {
+                "servingPolicy.enabled": "false",
+                "loadtest.enabled": "true",
+                f"{TRACE}.existingConfigMap": "t",
+            },
+            "set ingress.serviceName to an existing ServingPolicy's Service",
+            id="load-test-without-service",
+        ),
+        pytest.param(
+            {
+                "monitoring.podMonitor.enabled": "true",
+                "monitoring.serviceMonitor.enabled": "true",
+            },
+            "monitoring: enable either podMonitor or serviceMonitor, not both",
+            id="both-monitors",
+        ),
     ],
 )
 def test_templates_reject_what_the_schema_cannot_express(
@@ -126,6 +160,7 @@ def test_templates_reject_what_the_schema_cannot_express(
     result = helm_template(sets=sets)
     assert result.returncode != 0
     assert message in result.stderr, result.stderr
+    assert not result.stdout.strip(), "nothing is rendered for rejected values"
 
 
 def test_policy_enum_is_the_operators_policy_list() -> None:
@@ -166,6 +201,7 @@ def test_every_value_is_documented_with_a_param_line() -> None:
         "loadtest.resources",
         "loadtest.podSecurityContext",
         "loadtest.containerSecurityContext",
+        "cleanup.resources",
         "ingress.annotations",
         "dashboards.labels",
         "dashboards.annotations",

@@ -19,6 +19,7 @@ import yaml
 from aiohttp import web
 from arc_operator import GROUP, KIND, PLURAL, VERSION
 from arc_operator.handlers import register
+from arc_operator.metrics import POLICY_INFO
 from arc_operator.models import OperatorConfig
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
@@ -77,7 +78,7 @@ def metrics_text(policy: str | None, hits: float, queries: float) -> str:
     Counter("vllm:prefix_cache_queries", "queries", list(labels), registry=registry).labels(
         **labels
     ).inc(queries)
-    info = Gauge("arc_evictor_policy_info", "active policy", ["policy"], registry=registry)
+    info = Gauge(POLICY_INFO, "active policy", ["policy"], registry=registry)
     if policy is not None:
         info.labels(policy=policy).set(1)
     return generate_latest(registry).decode()

@@ -111,7 +111,7 @@ def test_bad_cost_model_exits_2(chat_trace, capsys) -> None:
 def test_generate_rejects_bad_parameters_without_writing(tmp_path, capsys) -> None:
     target = tmp_path / "never.jsonl"
     assert main(["generate", "docqa", "--out", str(target), "--documents", "0"]) == 2
-    assert "documents must be > 0" in capsys.readouterr().err
+    assert "documents must be a finite number > 0" in capsys.readouterr().err
     assert not target.exists()
 
 
@@ -130,3 +130,18 @@ def test_sample_trace_simulates_from_the_command_line() -> None:
     lru, arc = json.loads(done.stdout)
     assert lru["requests"] == arc["requests"] == 3993
     assert 0.2 < lru["block_hit_rate"] < arc["block_hit_rate"] < 0.35
+
+
+def test_plot_into_an_unwritable_place_exits_2_before_simulating(chat_trace, tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert main(["simulate", str(chat_trace), "--plot", str(blocker / "sub" / "x.png")]) == 2
+    captured = capsys.readouterr()
+    assert "--plot" in captured.err and "capacity" not in captured.out
+
+
+def test_generate_into_a_missing_folder_exits_2(tmp_path, capsys) -> None:
+    target = tmp_path / "missing" / "deeper" / "x.jsonl"
+    target.parent.parent.write_text("")  # a file where a folder should be
+    assert main(["generate", "docqa", "--out", str(target), "--documents", "3"]) == 2
+    assert "cannot write" in capsys.readouterr().err

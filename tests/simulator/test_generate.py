@@ -96,9 +96,14 @@ def test_sessions_share_their_system_prompts() -> None:
 @pytest.mark.parametrize(
     ("params", "problem"),
     [
-        (DocQAParams(documents=0), "documents must be > 0"),
-        (DocQAParams(zipf_exponent=-1), "zipf_exponent must be >= 0"),
-        (DocQAParams(requests_per_second=0), "requests_per_second must be > 0"),
+        (DocQAParams(documents=0), "documents must be a finite number > 0"),
+        (DocQAParams(zipf_exponent=-1), "zipf_exponent must be a finite number >= 0"),
+        (DocQAParams(zipf_exponent=float("nan")), "zipf_exponent must be a finite"),
+        (DocQAParams(requests_per_second=0), "requests_per_second must be a finite number > 0"),
+        (
+            DocQAParams(questions_per_document=float("inf")),
+            "questions_per_document must be a finite",
+        ),
     ],
 )
 def test_bad_docqa_parameters_are_rejected(params, problem) -> None:
@@ -107,10 +112,13 @@ def test_bad_docqa_parameters_are_rejected(params, problem) -> None:
 
 
 def test_bad_conversation_parameters_are_rejected() -> None:
-    with pytest.raises(ValueError, match="think_time_s must be >= 0"):
+    with pytest.raises(ValueError, match="think_time_s must be a finite number >= 0"):
         conversation(ConversationParams(think_time_s=-1))
 
 
-def test_zero_block_tokens_is_rejected(tmp_path) -> None:
+def test_zero_block_tokens_is_rejected_before_the_file_is_touched(tmp_path) -> None:
+    target = tmp_path / "x.jsonl"
+    target.write_text("keep\n")
     with pytest.raises(ValueError, match="block_tokens must be >= 1"):
-        write_generated(tmp_path / "x.jsonl", docqa(SMALL_DOCQA), "bailian", block_tokens=0)
+        write_generated(target, docqa(SMALL_DOCQA), "bailian", block_tokens=0)
+    assert target.read_text() == "keep\n"

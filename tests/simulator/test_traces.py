@@ -86,6 +86,10 @@ def test_blank_lines_are_skipped(write_lines) -> None:
             '{"timestamp": 0, "input_length": 0, "output_length": 1, "hash_ids": []}',
             "'input_length' must be >= 1",
         ),
+        (
+            '{"timestamp": 0, "input_length": 1024, "output_length": 1, "hash_ids": [4, 4]}',
+            "hash id 4 repeats at block 2",
+        ),
     ],
 )
 def test_malformed_line_names_file_line_and_problem(write_lines, line: str, problem: str) -> None:

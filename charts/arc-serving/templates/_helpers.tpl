@@ -112,7 +112,10 @@ The operator's ServiceAccount name.
 {{/*
 Name of the default ServingPolicy, which is also the name of the Deployment and Service the
 operator creates for it (conventions: Deployment NAME, Service NAME, ConfigMap NAME-policy).
-The schema caps servingPolicy.name at 56 so that the "-policy" ConfigMap (7 more) fits in 63.
+The hard limit on the name is 63 characters: it is the Service's name (a DNS-1035 label) and
+the value of the engine pods' labels (app.kubernetes.io/instance, arcserving.io/servingpolicy),
+both at most 63. The schema caps servingPolicy.name at 56, 7 below that, which also keeps the
+operator's "NAME-policy" ConfigMap name a 63-character label (ConfigMap names alone may be 253).
 */}}
 {{- define "arc-serving.servingPolicyName" -}}
 {{- default (include "arc-serving.fullname" .) .Values.servingPolicy.name }}
@@ -120,10 +123,25 @@ The schema caps servingPolicy.name at 56 so that the "-policy" ConfigMap (7 more
 
 {{/*
 The Service the ingress and the load test send requests to: ingress.serviceName, else the
-default ServingPolicy's Service.
+default ServingPolicy's Service. Fails when neither exists, since nothing would create it.
 */}}
 {{- define "arc-serving.servingServiceName" -}}
-{{- default (include "arc-serving.servingPolicyName" .) .Values.ingress.serviceName }}
+{{- if .Values.ingress.serviceName }}
+{{- .Values.ingress.serviceName }}
+{{- else if .Values.servingPolicy.enabled }}
+{{- include "arc-serving.servingPolicyName" . }}
+{{- else }}
+{{- fail "arc-serving: servingPolicy.enabled is false, so the chart creates no ServingPolicy and no Service for the ingress or the load test to send requests to; set ingress.serviceName to an existing ServingPolicy's Service (and loadtest.host for a load test without the ingress), or enable servingPolicy" }}
+{{- end }}
+{{- end }}
+
+{{/*
+Annotations of the pre-delete cleanup hook's objects. Call with the hook weight as a string.
+*/}}
+{{- define "arc-serving.cleanupHookAnnotations" -}}
+helm.sh/hook: pre-delete
+helm.sh/hook-weight: {{ . | quote }}
+helm.sh/hook-delete-policy: before-hook-creation,hook-succeeded
 {{- end }}
 
 {{/*
