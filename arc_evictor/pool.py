@@ -92,7 +92,7 @@ class BlockPool:
         self.policy.remove(key)
         self._cached.remove(key)
 
-    def take(self, keys: Sequence[Key]) -> int:
+    def take(self, keys: Sequence[Key], max_hits: int | None = None) -> int:
         """A request takes its blocks; returns its prefix-cache hits in blocks.
 
         The order is vLLM's: first the cached prefix is taken (pinned, then
@@ -100,7 +100,9 @@ class BlockPool:
         so the request's own misses cannot evict them; then the misses are
         cached. Each pass goes tail first (last block first), as DESIGN.md's
         sequential mode states. The hit count is the cached prefix before any of
-        this, the first miss ending it.
+        this, the first miss ending it, and at most ``max_hits``: vLLM always
+        computes a prompt's last token, so a fully cached prompt's last block is
+        taken with the other cached blocks, not as a hit.
 
         Raises PoolExhausted, before changing anything, when the pool cannot pin
         every block of the request at once.
@@ -113,6 +115,8 @@ class BlockPool:
                 f"{self.capacity} blocks are pinned"
             )
         hits = self.prefix_hits(keys)
+        if max_hits is not None:
+            hits = min(hits, max_hits)
         cached = self._cached
         misses = []
         for key in reversed(keys[:hits]):

@@ -122,7 +122,6 @@ def build_policy(name: str, capacity: int, requests: Sequence[TraceRequest]) -> 
 
 
 def _count(result: SimulationResult, request: TraceRequest, hits: int) -> None:
-    hits = min(hits, request.max_hit_blocks)
     result.requests += 1
     result.block_queries += request.num_blocks
     result.block_hits += hits
@@ -151,7 +150,7 @@ def simulate_sequential(
         if len(keys) > pool.capacity:
             _reject(result, request, policy)
             continue
-        hits = pool.take(keys)
+        hits = pool.take(keys, request.max_hit_blocks)
         pool.give_back(keys)
         _count(result, request, hits)
         if verify:
@@ -215,9 +214,9 @@ def simulate_overlapping(
             done = requests[index]
             pool.give_back(done.keys)
             running_tokens -= done.input_length + done.output_length
-        hits = pool.take(request.keys)
+        hits = pool.take(request.keys, request.max_hit_blocks)
         _count(result, request, hits)
-        cached = min(hits, request.max_hit_blocks) * request.block_tokens
+        cached = hits * request.block_tokens
         prefill_start = max(now, prefill_free_at)
         prefill_end = (
             prefill_start

@@ -4,10 +4,13 @@ Entry point ``vllm.general_plugins: arc_evictor = arc_evictor.vllm_plugin:regist
 calls ``register`` in every process it starts (API server, engine core, workers). It does
 nothing unless ``ARC_EVICTOR_POLICY`` or ``ARC_EVICTOR_CONFIG`` is set; then it validates the
 settings and the vLLM version and raises (stopping start-up) on any problem, and patches vLLM
-so the engine core's device block pool is a ``PolicyBlockPool``. Between scheduler steps the
-engine core polls the policy file, switches policy live, and publishes metrics.
+so the engine core's device block pool is a ``PolicyBlockPool``. Before each scheduler step the
+engine core polls the policy file, switches policy live, and publishes metrics (so an idle
+engine applies a file change with its next request; see ``config``).
 
-Only ``adapter`` imports vLLM internals; this module imports it lazily, inside ``register``.
+Only ``adapter`` imports vLLM internals; ``register`` imports it lazily, and only after
+``version.check_vllm_version`` accepted the installed vLLM, so another version stops start-up
+with that check's message rather than an ImportError from the adapter.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from arc_evictor.vllm_plugin.config import PluginConfigError, PolicyFileWatcher, Settings
 from arc_evictor.vllm_plugin.metrics import METRIC_NAMES, PluginMetrics, multiprocess_enabled
+from arc_evictor.vllm_plugin.version import check_vllm_version
 
 if TYPE_CHECKING:
     from arc_evictor.vllm_plugin.adapter import PolicyBlockPool
@@ -32,7 +36,6 @@ class PluginRuntime:
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        self.policy = settings.policy
         self.watcher = (
             PolicyFileWatcher(settings.config_path, settings.poll_seconds, settings.policy)
             if settings.config_path is not None
@@ -57,7 +60,12 @@ class PluginRuntime:
         self.metrics.sync(pool)
 
     def on_step(self) -> None:
-        """Between scheduler steps: maybe switch policy, then publish metrics."""
+        """Before each scheduler step: maybe switch policy, then publish metrics.
+
+        Once per step is enough: every block-pool change of a step (hits, allocations, frees
+        at ``update_from_output``) is published by the next step's call, and vLLM runs one more
+        step after the last request finishes, to clear it from the batch.
+        """
         from arc_evictor.vllm_plugin import adapter
 
         pools = adapter.live_pools()
@@ -88,7 +96,6 @@ class PluginRuntime:
                 (time.perf_counter() - started) * 1000,
             )
         adapter.set_policy_name(name)
-        self.policy = name
 
 
 _runtime: PluginRuntime | None = None
@@ -100,14 +107,9 @@ def register() -> None:
     settings = Settings.from_env()
     if settings is None or _runtime is not None:
         return
+    check_vllm_version()  # before the adapter import, which may fail on another vLLM
     from arc_evictor.vllm_plugin import adapter
 
-    adapter.check_vllm_version()
     runtime = PluginRuntime(settings)
     adapter.install(settings.policy, on_step=runtime.on_step, on_pool=runtime.on_pool)
     _runtime = runtime
-
-
-def runtime() -> PluginRuntime | None:
-    """This process's plugin state, if the plugin is active."""
-    return _runtime

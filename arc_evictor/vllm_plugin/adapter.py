@@ -1,8 +1,9 @@
 """The one module that touches vLLM internals: a policy-driven ``BlockPool`` for vLLM 0.32.
 
-Targeted vLLM version: ``TARGET_VLLM`` (0.32.0; ``SUPPORTED_VLLM`` is the accepted prefix). Files
-read: ``vllm/v1/core/block_pool.py``, ``kv_cache_utils.py``, ``kv_cache_manager.py``,
-``single_type_kv_cache_manager.py``, ``kv_cache_coordinator.py``, ``sched/scheduler.py``.
+Targeted vLLM version: 0.32.0 (``version.TARGET_VLLM``; ``register`` checks the installed
+version before it imports this module). Files read: ``vllm/v1/core/block_pool.py``,
+``kv_cache_utils.py``, ``kv_cache_manager.py``, ``single_type_kv_cache_manager.py``,
+``kv_cache_coordinator.py``, ``sched/scheduler.py``.
 
 ``PolicyBlockPool`` subclasses vLLM's ``BlockPool`` and replaces the unnamed queue-position
 eviction order with an ``EvictionPolicy`` keyed by block hash (``BlockHashWithGroupId``).
@@ -58,7 +59,6 @@ import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-import vllm
 from vllm.v1.core import kv_cache_coordinator, kv_cache_manager, single_type_kv_cache_manager
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_utils import (
@@ -71,28 +71,11 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.request import Request
 
 from arc_evictor.policies import EvictionPolicy, make_policy
+from arc_evictor.vllm_plugin.version import UnsupportedVllmError
 
 logger = logging.getLogger("vllm.arc_evictor")
 
-TARGET_VLLM = "0.32.0"
-SUPPORTED_VLLM = "0.32."
-VLLM_VERSION: str = vllm.__version__
-
 Key = BlockHashWithGroupId
-
-
-class UnsupportedVllmError(RuntimeError):
-    """The installed vLLM (or its KV cache layout) is not one this adapter was written for."""
-
-
-def check_vllm_version(version: str = VLLM_VERSION) -> None:
-    """Refuse every vLLM but 0.32.x: the adapter overrides private ``BlockPool`` methods."""
-    if not version.startswith(SUPPORTED_VLLM):
-        raise UnsupportedVllmError(
-            f"arc_evictor's vLLM plugin supports vLLM {SUPPORTED_VLLM}* (written against "
-            f"{TARGET_VLLM}); found vLLM {version}. Install vllm==0.32.* or unset "
-            "ARC_EVICTOR_POLICY and ARC_EVICTOR_CONFIG to run without the plugin."
-        )
 
 
 class _Allocation:
@@ -225,6 +208,9 @@ class PolicyBlockPool(BlockPool):
                 misses.append(i)
         # Pass 2, tail first: the misses, each making room before it is inserted.
         queue = self.free_block_queue
+        # vLLM reports every block it reuses with caching on as evicted from its KV cache
+        # metrics (a no-op for blocks it does not sample); the plugin keeps that.
+        reused = metrics if self.enable_caching else None
         evicted = 0
         for i in misses:
             key = keys[i]
@@ -235,6 +221,8 @@ class PolicyBlockPool(BlockPool):
                     find(key)  # a ghost hit adapts ARC's target before the victim is chosen
             if queue.num_free_blocks:
                 block = queue.popleft()
+                if reused:
+                    reused.on_block_evicted(block)
             else:
                 # No block without a hash is free: evict the policy's victim. An unpinned key
                 # has a single copy (module invariant), so there is no spare to promote.
@@ -548,8 +536,8 @@ def install(
 ) -> None:
     """Patch vLLM so every device pool the KV cache coordinator builds is a PolicyBlockPool.
 
-    ``on_step`` runs before and after every scheduler step (live switching, metrics);
-    ``on_pool`` runs once per new pool. Idempotent within a process.
+    ``on_step`` runs before every scheduler step (live switching, metrics); ``on_pool`` runs
+    once per new pool. Idempotent within a process.
     """
     if _installed:
         return
@@ -564,7 +552,6 @@ def install(
     orig_allocate_slots = kv_cache_manager.KVCacheManager.allocate_slots
     orig_new_blocks = single_type_kv_cache_manager.SingleTypeKVCacheManager.allocate_new_blocks
     orig_schedule = vllm_scheduler.Scheduler.schedule
-    orig_update = vllm_scheduler.Scheduler.update_from_output
 
     @functools.wraps(orig_manager_init)
     def manager_init(self: Any, *args: Any, **kwargs: Any) -> None:
@@ -606,13 +593,6 @@ def install(
         on_step()
         return orig_schedule(self, *args, **kwargs)
 
-    @functools.wraps(orig_update)
-    def update_from_output(self: Any, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return orig_update(self, *args, **kwargs)
-        finally:
-            on_step()
-
     _installed["policy"] = policy_name
     kv_cache_coordinator.BlockPool = make_pool  # type: ignore[assignment,misc]
     kv_cache_manager.KVCacheManager.__init__ = manager_init  # type: ignore[method-assign]
@@ -621,7 +601,6 @@ def install(
         allocate_new_blocks
     )
     vllm_scheduler.Scheduler.schedule = schedule  # type: ignore[method-assign]
-    vllm_scheduler.Scheduler.update_from_output = update_from_output  # type: ignore[method-assign]
 
 
 def set_policy_name(name: str) -> None:

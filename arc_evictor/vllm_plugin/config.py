@@ -5,7 +5,12 @@
   must be valid at start-up and then wins over ``ARC_EVICTOR_POLICY``; when it changes, the
   engine switches policy between scheduler steps. A malformed file later on leaves the running
   policy in place and logs why, once per change of the file.
-- ``ARC_EVICTOR_POLL_MS``: how often the file is checked (default 500 ms).
+- ``ARC_EVICTOR_POLL_MS``: how often the file is checked at most (default 500 ms).
+
+The file is checked only before a scheduler step, by the engine core itself (the plugin starts
+no thread): an idle engine keeps its policy, and its metrics keep reporting that policy, until
+a request arrives; the switch then happens before that request is scheduled. This is the
+documented behaviour, not a lag to tune: nothing is cached or evicted while the engine is idle.
 
 Nothing here imports vLLM, so settings are validated (and tested) without it.
 """

@@ -43,7 +43,9 @@ class PluginMetrics:
     """The metric objects and what has been published of each pool's counts so far.
 
     Invariant: for every pool, ``_published[id(pool)]`` holds the counts already added to the
-    Prometheus counters, so each ``sync`` adds exactly the events since the last one.
+    Prometheus counters, so each ``sync`` adds exactly the events since the last one; its
+    ``"switches"`` entry is the pool's ``policy_switches`` at the last sync, so a different
+    count means the pool runs a policy not synced yet (or the pool is new).
     """
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
@@ -94,18 +96,16 @@ class PluginMetrics:
             self.ghost_hits.labels(list=lst)
             self.ghosts.labels(list=lst).set(0)
         self._published: dict[int, dict[str, int]] = {}
-        self._policy_seen: dict[int, int] = {}  # pool id -> id of the policy last synced
         self._lists_seen: set[tuple[str, str]] = set()
 
     def sync(self, pool: PolicyBlockPool) -> None:
         """Publish ``pool``'s counts and its policy's list sizes."""
         done = self._published.setdefault(id(pool), {})
         policy = pool.policy
-        if self._policy_seen.get(id(pool)) != id(policy):
+        if done.get("switches") != pool.policy_switches:
             # A new policy counts from zero: forget what the old one had published.
             for name in [k for k in done if k.startswith(("ev:", "gh:"))]:
                 del done[name]
-            self._policy_seen[id(pool)] = id(policy)
             for name in policy_names():
                 self.policy_info.labels(policy=name).set(1 if name == policy.name else 0)
         self._add(done, "queries", pool.block_queries, self.block_queries)

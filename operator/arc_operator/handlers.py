@@ -131,7 +131,7 @@ def is_subset(desired: Any, actual: Any, *, quantities: bool = False) -> bool:
     """
     if isinstance(desired, Mapping):
         return isinstance(actual, Mapping) and all(
-            is_subset(value, actual[key], quantities=key in QUANTITY_MAPS)
+            is_subset(value, actual[key], quantities=quantities or key in QUANTITY_MAPS)
             if key in actual
             else value == ""
             for key, value in desired.items()

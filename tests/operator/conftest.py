@@ -85,15 +85,29 @@ def metrics_text(policy: str | None, hits: float, queries: float) -> str:
 
 
 class PodMetricsServer:
-    """A /metrics endpoint on 127.0.0.1 standing in for every pod (all pods use one port)."""
+    """A /metrics endpoint on 127.0.0.1 standing in for every pod (all pods use one port).
+
+    It serves ``text``, or, after ``serve_traffic``, counters that grow by a fixed step at
+    every scrape, as a pod under steady load shows.
+    """
 
     def __init__(self) -> None:
         self.text = metrics_text("lru", 0, 0)
         self.port = 0
         self.scrapes = 0
+        self._traffic: tuple[str, float, float] | None = None
+        self._counts = (0.0, 0.0)
+
+    def serve_traffic(self, policy: str, hits: float, queries: float) -> None:
+        """From now on each scrape adds ``hits`` of ``queries`` to the counters."""
+        self._traffic = (policy, hits, queries)
 
     async def handle(self, request: web.Request) -> web.Response:
         self.scrapes += 1
+        if self._traffic is not None:
+            policy, hits, queries = self._traffic
+            self._counts = (self._counts[0] + hits, self._counts[1] + queries)
+            self.text = metrics_text(policy, *self._counts)
         return web.Response(text=self.text, content_type="text/plain")
 
 

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from decimal import Decimal
 from pathlib import Path
 
 import kubernetes_validate
 import pytest
 import yaml
 from arc_operator import crd, manifests, rbac
+from arc_operator.handlers import is_subset, quantity
 from arc_operator.models import OperatorConfig, SpecError, parse_spec
 
 from arc_evictor.policies import policy_names
@@ -37,6 +39,12 @@ def test_valid_spec_parses_with_defaults() -> None:
         ({"cache": {"blockSize": 24, "numBlocks": 512}}, "spec.cache.blockSize"),
         ({"cache": {"numBlocks": 4}, "maxModelLen": 4096}, "cannot serve maxModelLen=4096"),
         ({"engineArgs": ["--block-size=32"]}, "engineArgs may not set --block-size"),
+        # vLLM reads _ as - in flag names, and accepts unambiguous prefixes.
+        ({"engineArgs": ["--block_size", "32"]}, "engineArgs may not set --block-size"),
+        ({"engineArgs": ["--max_model_len=9"]}, "engineArgs may not set --max-model-len"),
+        ({"engineArgs": ["--block-si", "32"]}, "engineArgs may not set --block-size"),
+        ({"resources": {"cpu": "four"}}, "spec.resources.cpu: String should match pattern"),
+        ({"resources": {"memory": "-1Gi"}}, "spec.resources.memory: String should match"),
         ({"env": [{"name": "ARC_EVICTOR_POLICY", "value": "lru"}]}, "env may not set"),
         ({"env": [{"name": "PROMETHEUS_MULTIPROC_DIR", "value": "/x"}]}, "env may not set"),
         ({"color": "blue"}, "spec.color: Extra inputs are not permitted"),
@@ -70,13 +78,74 @@ def test_children_validate_against_kubernetes_schemas(mode: str, cache: dict) ->
         kubernetes_validate.validate(child, K8S_VERSION, strict=True)
 
 
-def test_only_restart_mode_puts_the_policy_in_the_pod_template() -> None:
-    def template(mode: str, policy: str) -> dict:
-        spec = parse_spec(make_spec(switchMode=mode, policy=policy))
-        return manifests.deployment("demo", "serving", spec)["spec"]["template"]
+def template_of(mode: str, policy: str) -> dict:
+    spec = parse_spec(make_spec(switchMode=mode, policy=policy))
+    return manifests.deployment("demo", "serving", spec)["spec"]["template"]
 
-    assert template("Hot", "LRU") == template("Hot", "ARC")
-    assert template("Restart", "LRU") != template("Restart", "ARC")
+
+def test_only_restart_mode_puts_the_policy_in_the_pod_template() -> None:
+    assert template_of("Hot", "LRU") == template_of("Hot", "ARC")
+    assert template_of("Restart", "LRU") != template_of("Restart", "ARC")
+
+
+def test_hot_pods_mount_the_policy_configmap() -> None:
+    template = template_of("Hot", "ARC")
+    (container,) = template["spec"]["containers"]
+    env = {var["name"]: var.get("value") for var in container["env"]}
+    assert env["ARC_EVICTOR_CONFIG"] == "/etc/arc-evictor/policy.json"
+    assert "ARC_EVICTOR_POLICY" not in env
+    assert {"name": "policy", "configMap": {"name": "demo-policy"}} in template["spec"]["volumes"]
+    assert {"name": "policy", "mountPath": "/etc/arc-evictor", "readOnly": True} in container[
+        "volumeMounts"
+    ]
+
+
+def test_restart_pods_take_the_policy_from_env_and_never_read_the_configmap() -> None:
+    # A mounted policy file would switch old pods live; Restart pods only see their env.
+    template = template_of("Restart", "ARC")
+    (container,) = template["spec"]["containers"]
+    env = {var["name"]: var.get("value") for var in container["env"]}
+    assert env["ARC_EVICTOR_POLICY"] == "arc"
+    assert "ARC_EVICTOR_CONFIG" not in env
+    assert "policy" not in {volume["name"] for volume in template["spec"]["volumes"]}
+    assert "policy" not in {mount["name"] for mount in container["volumeMounts"]}
+    # The ConfigMap still records the policy (for people and tools reading it).
+    spec = parse_spec(make_spec(switchMode="Restart", policy="ARC"))
+    assert manifests.config_map("demo", "serving", spec)["data"] == {
+        "policy.json": '{"policy": "arc"}'
+    }
+
+
+def test_the_deployment_is_applied_before_the_policy_configmap() -> None:
+    kinds = [
+        child["kind"] for child in manifests.children("demo", "serving", parse_spec(make_spec()))
+    ]
+    assert kinds.index("Deployment") < kinds.index("ConfigMap")
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [("4", "4"), ("500m", "0.5"), ("0.5", "0.5"), ("1Gi", "1073741824"), ("1e3", "1000"),
+     ("16G", "16000000000"), ("four", None)],
+)  # fmt: skip
+def test_quantities_parse_to_their_value(text: str, value: str | None) -> None:
+    assert quantity(text) == (None if value is None else Decimal(value))
+
+
+def test_server_canonical_forms_are_not_drift() -> None:
+    desired = {
+        "resources": {"requests": {"cpu": "0.5", "memory": "1024Mi"}},
+        "env": [{"name": "EMPTY", "value": ""}],
+    }
+    canonical = {
+        "resources": {"requests": {"cpu": "500m", "memory": "1Gi"}},
+        "env": [{"name": "EMPTY"}],
+    }
+    assert is_subset(desired, canonical)
+    assert not is_subset(desired, {**canonical, "resources": {"requests": {"cpu": "1"}}})
+    assert not is_subset(desired, {**canonical, "env": [{"name": "EMPTY", "value": "x"}]})
+    # Only resource maps hold quantities: elsewhere "0.5" and "500m" differ.
+    assert not is_subset({"args": ["0.5"]}, {"args": ["500m"]})
 
 
 def test_deployment_args_follow_the_spec() -> None:

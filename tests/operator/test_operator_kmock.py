@@ -7,6 +7,7 @@ Deployment's rollout status; the operator does everything else through the API.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -19,6 +20,7 @@ from tests.operator.conftest import (
     NAMESPACE,
     SERVICES,
     SP_RESOURCE,
+    STATUS_INTERVAL_S,
     eventually,
     make_servingpolicy,
     make_spec,
@@ -130,8 +132,9 @@ async def test_status_reports_pods_policy_and_hit_rate(cluster, operator, pod_me
     assert (status["replicas"], status["readyReplicas"]) == (2, 2)
     assert condition(cluster, "demo", "PolicyApplied")["reason"] == "PolicyActive"
 
-    # 300 of 400 queried tokens hit since the last reading: the rate is 0.75.
-    pod_metrics.text = metrics_text("arc", hits=300, queries=400)
+    # 300 of 400 queried tokens hit between readings, steadily (a pass that follows another
+    # at once would otherwise see no queries and report no rate): the rate is 0.75.
+    pod_metrics.serve_traffic("arc", hits=300, queries=400)
     await eventually(lambda: status_of(cluster, "demo").get("hitRate") == pytest.approx(0.75))
 
 
@@ -163,23 +166,100 @@ async def test_hot_switch_rewrites_only_the_configmap(cluster, operator, pod_met
     assert template_of(cluster, "demo") == template_before
 
 
+def engine_env(cluster, name: str) -> dict[str, str | None]:
+    (container,) = template_of(cluster, name)["spec"]["containers"]
+    return {var["name"]: var.get("value") for var in container["env"]}
+
+
 async def test_restart_switch_changes_the_pod_template(cluster, operator) -> None:
     await create_sp(cluster, "demo", make_spec(policy="LRU", switchMode="Restart"))
     await eventually(lambda: stored(cluster, DEPLOYMENTS, "demo"))
-    template_before = template_of(cluster, "demo")
-    assert template_before["metadata"]["annotations"] == {"arcserving.io/policy": "lru"}
+    assert engine_env(cluster, "demo")["ARC_EVICTOR_POLICY"] == "lru"
 
     await edit_spec(cluster, "demo", 2, policy="ARC")
-    await eventually(
-        lambda: (
-            template_of(cluster, "demo")["metadata"]["annotations"]
-            == {"arcserving.io/policy": "arc"}
-        )
-    )
+    await eventually(lambda: engine_env(cluster, "demo")["ARC_EVICTOR_POLICY"] == "arc")
     strategy = stored(cluster, DEPLOYMENTS, "demo")["spec"]["strategy"]
     assert strategy["rollingUpdate"]["maxUnavailable"] == 0
+    # Old pods would not switch live: nothing in the template points at the ConfigMap.
+    template = template_of(cluster, "demo")
+    assert "ARC_EVICTOR_CONFIG" not in engine_env(cluster, "demo")
+    assert all("configMap" not in volume for volume in template["spec"]["volumes"])
+    # The ConfigMap (applied after the Deployment) still records the policy.
+    await eventually(
+        lambda: (
+            json.loads(stored(cluster, CONFIGMAPS, "demo-policy")["data"]["policy.json"])
+            == {"policy": "arc"}
+        )
+    )
+
+
+async def test_rejected_child_reports_apply_rejected_and_keeps_the_policy(
+    cluster, operator
+) -> None:
+    await create_sp(cluster, "demo", make_spec(policy="LRU", switchMode="Hot"))
+    await eventually(lambda: condition(cluster, "demo", "Valid").get("status") == "True")
+    # The API server refuses the new Deployment (as for a quota or an admission policy).
+    message = "admission webhook denied the request: cpu 8 exceeds the namespace limit"
+    before = stored(cluster, DEPLOYMENTS, "demo")
+
+    def refuse() -> dict[str, Any]:
+        # kmock records every write before reactions run; a real server stores nothing on 422.
+        cluster.objects[DEPLOYMENTS, NAMESPACE, "demo"] = before
+        return {"kind": "Status", "code": 422, "message": message}
+
+    cluster[DEPLOYMENTS]["patch"] << 422 << refuse
+
+    await edit_spec(cluster, "demo", 2, policy="ARC", resources={"gpus": 1, "cpu": "8"})
+    valid = await eventually(
+        lambda: (
+            condition(cluster, "demo", "Valid").get("reason") == "ApplyRejected"
+            and condition(cluster, "demo", "Valid")
+        )
+    )
+    assert valid["status"] == "False" and message in valid["message"]
+    assert status_of(cluster, "demo")["phase"] == "Invalid"
+    assert status_of(cluster, "demo")["observedGeneration"] == 2
+    events = await eventually(
+        lambda: [
+            e
+            for e in (dict(obj.raw) for obj in cluster.objects.values() if not obj.deleted)
+            if e.get("reason") == "ApplyRejected"
+        ]
+    )
+    assert message in events[0]["message"]
+    # The Deployment goes first, so its rejection left the running pods' policy alone.
     configmap = stored(cluster, CONFIGMAPS, "demo-policy")
-    assert json.loads(configmap["data"]["policy.json"]) == {"policy": "arc"}
+    assert json.loads(configmap["data"]["policy.json"]) == {"policy": "lru"}
+
+
+async def test_server_canonical_forms_are_not_reapplied(cluster, operator) -> None:
+    await create_sp(
+        cluster,
+        "demo",
+        make_spec(resources={"gpus": 0, "cpu": "0.5"}, env=[{"name": "EMPTY", "value": ""}]),
+    )
+    await eventually(lambda: condition(cluster, "demo", "Valid").get("status") == "True")
+    # Store the Deployment as a real API server does: cpu "500m", the empty value omitted.
+    template = template_of(cluster, "demo")
+    (container,) = template["spec"]["containers"]
+    assert container["resources"]["requests"]["cpu"] == "0.5"
+    container["resources"] = {"requests": {"cpu": "500m"}, "limits": {"cpu": "500m"}}
+    container["env"] = [
+        {"name": var["name"]} if var.get("value") == "" else var for var in container["env"]
+    ]
+    response = await cluster.patch(
+        f"/apis/apps/v1/namespaces/{NAMESPACE}/deployments/demo",
+        json={"spec": {"template": template}},
+        headers={"Content-Type": "application/merge-patch+json"},
+    )
+    assert response.status == 200, await response.text()
+    patches = writes_to(cluster, DEPLOYMENTS, "PATCH")
+    # Several timer passes later, nothing was re-applied.
+    await asyncio.sleep(6 * STATUS_INTERVAL_S)
+    assert writes_to(cluster, DEPLOYMENTS, "PATCH") == patches
+    assert template_of(cluster, "demo")["spec"]["containers"][0]["resources"]["requests"] == {
+        "cpu": "500m"
+    }
 
 
 async def test_invalid_spec_sets_valid_false_and_changes_nothing(cluster, operator) -> None:
@@ -257,6 +337,7 @@ async def test_operator_restart_resumes_without_duplicates(cluster, operator) ->
 
 async def drift_and_repair(cluster) -> None:
     """Edit the children behind the operator's back; its timer puts them back."""
+    await eventually(lambda: stored(cluster, CONFIGMAPS, "demo-policy"))  # the last child
     for path, change in [
         (f"/api/v1/namespaces/{NAMESPACE}/services/demo", {"spec": {"ports": []}}),
         (f"/apis/apps/v1/namespaces/{NAMESPACE}/deployments/demo", {"spec": {"replicas": 7}}),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from arc_operator.metrics import MetricsError, PodMetrics, hit_rate, parse_metrics
 from arc_operator.models import parse_spec
@@ -12,8 +14,18 @@ from tests.operator.conftest import make_spec, metrics_text
 NOW, LATER = "2026-01-01T00:00:00Z", "2026-01-01T00:01:00Z"
 
 
-def observe(spec=None, *, error=None, ready=1, scraped=None, unreachable=0, rate=None):
+def observe(
+    spec=None,
+    *,
+    error=None,
+    ready=1,
+    scraped=None,
+    unreachable=0,
+    rate=None,
+    error_reason="InvalidSpec",
+):
     return Observation(
+        error_reason=error_reason,
         generation=3,
         spec=spec,
         error=error,
@@ -96,3 +108,32 @@ def test_scaled_to_zero_is_stopped() -> None:
     status = build_status(observe(parse_spec(make_spec(replicas=0)), ready=0), None, NOW)
     assert status.phase.value == "Stopped"
     assert conditions(status)["Ready"] == ("False", "ScaledToZero")
+
+
+def test_rollout_is_incomplete_until_the_controller_observes_the_new_template() -> None:
+    counts = {"replicas": 2, "readyReplicas": 2, "updatedReplicas": 2}
+    stale = {"metadata": {"generation": 4}, "status": {**counts, "observedGeneration": 3}}
+    current = {"metadata": {"generation": 4}, "status": {**counts, "observedGeneration": 4}}
+    assert not Rollout.from_deployment(stale).complete(2)
+    assert Rollout.from_deployment(current).complete(2)
+
+    spec = parse_spec(make_spec(policy="ARC", replicas=2))
+    seen = observe(spec, ready=2, scraped=pods("arc", "arc"))
+    stale_status = build_status(replace(seen, rollout=Rollout.from_deployment(stale)), None, NOW)
+    ready = next(c for c in stale_status.conditions if c.type == "Ready")
+    assert (ready.status.value, ready.reason) == ("False", "RolloutInProgress")
+    assert "not yet observed generation 4" in ready.message
+    assert stale_status.phase.value == "Progressing"
+
+
+def test_a_rejected_child_reads_as_apply_rejected() -> None:
+    status = build_status(
+        observe(error="Kubernetes API error 422: quota", error_reason="ApplyRejected"), None, NOW
+    )
+    assert conditions(status) == {
+        "Valid": ("False", "ApplyRejected"),
+        "PolicyApplied": ("False", "ApplyRejected"),
+        "Ready": ("False", "ApplyRejected"),
+    }
+    assert status.conditions[0].message == "Kubernetes API error 422: quota"
+    assert status.phase.value == "Invalid"

@@ -1,21 +1,19 @@
 """In a sequential replay the plugin inside vLLM's real manager decides exactly as the simulator.
 
-The trace is the project's own document-QA generator in Mooncake form, read back with
-``read_trace``. Each hash id gets ``BS`` token ids from a generator seeded by (seed, hash id),
-so vLLM's chained block hashes coincide exactly when the trace's chain keys do. The simulator
-is then fed vLLM's own block keys in place of the chain keys (one for one), so that a policy
-that samples keys by their hash (trio above 1,024 blocks) samples the same keys on both sides.
+A workload is a list of block chains (hash ids of whole blocks). Each hash id gets ``BS`` token
+ids from a generator seeded by (seed, hash id), so vLLM's chained block hashes coincide exactly
+when two chains share a prefix. The simulator is fed vLLM's own block keys (one per block), so a
+policy that samples keys by their hash (trio above 1,024 blocks) samples the same keys on both
+sides, and the final eviction orders can be compared key for key.
 
 One difference is made explicit rather than hidden: the simulator's pool model caches full
 blocks only and does not model the block that holds a prompt's partial last block, which vLLM
-allocates (and pins) for the request's duration. The replay therefore trims every prompt to
-whole blocks (``input_length = blocks * block_tokens``) on both sides; with that, hits,
-evictions and ghost hits are equal for every policy.
+allocates (and pins) for the request's duration. Every prompt is therefore whole blocks on both
+sides; with that, hits, evictions, ghost hits and the eviction order are equal for every policy.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import random
 from pathlib import Path
 
@@ -23,17 +21,10 @@ import pytest
 from harness import admit, make_manager, make_request
 from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
 
-from arc_evictor.generate import (
-    ConversationParams,
-    DocQAParams,
-    GeneratedRequest,
-    conversation,
-    docqa,
-    write_generated,
-)
+from arc_evictor.generate import DocQAParams, docqa, write_generated
 from arc_evictor.policies import make_policy, policy_names
 from arc_evictor.simulate import simulate_sequential
-from arc_evictor.traces import load_trace
+from arc_evictor.traces import TraceRequest, load_trace
 
 BS = 4
 
@@ -43,28 +34,27 @@ def block_tokens(hash_id: int, seed: int) -> list[int]:
     return [rng.randrange(4, 30_000) for _ in range(BS)]
 
 
-def replay_both(
-    tmp_path: Path, policy: str, capacity: int, generated: list[GeneratedRequest], seed: int
-) -> None:
-    """Replay ``generated`` trimmed to whole blocks in the simulator and through vLLM; assert
-    equal hits, evictions, ghost hits and final eviction order."""
-    path = tmp_path / "trace.jsonl"
-    write_generated(path, generated, "mooncake")
+def replay_both(policy: str, capacity: int, chains: list[list[int]], seed: int) -> None:
+    """Replay ``chains`` in the simulator and through vLLM, one request at a time; assert equal
+    hits, evictions, ghost hits and final eviction order."""
     requests, vllm_requests = [], []
-    for r in load_trace(path):
-        if r.num_blocks == 0:
-            continue
-        tokens = [
-            t for hash_id in r.hash_ids[: r.num_blocks] for t in block_tokens(hash_id, seed)
-        ]
-        vllm_request = make_request(tokens, BS)
+    for index, chain in enumerate(chains):
+        vllm_request = make_request([t for h in chain for t in block_tokens(h, seed)], BS)
         keys = tuple(make_block_hash_with_group_id(h, 0) for h in vllm_request.block_hashes)
-        assert len(keys) == r.num_blocks
+        assert len(keys) == len(chain)
         requests.append(
-            dataclasses.replace(r, input_length=r.num_blocks * r.block_tokens, keys=keys)
+            TraceRequest(
+                index=index,
+                line=index + 1,
+                timestamp_s=float(index),
+                input_length=len(chain) * BS,
+                output_length=1,
+                hash_ids=tuple(chain),
+                keys=keys,  # type: ignore[arg-type]  (any hashable key; vLLM's are bytes)
+                block_tokens=BS,
+            )
         )
         vllm_requests.append(vllm_request)
-    assert len(requests) > 100
     simulated = make_policy(policy, capacity)
     expected = simulate_sequential(requests, simulated)
     assert expected.rejected_requests == 0
@@ -84,7 +74,7 @@ def replay_both(
     assert hits == pool.block_hits == expected.block_hits
     assert sum(pool.policy.counters.evictions.values()) == expected.evictions
     assert pool.policy.counters.ghost_hits == expected.ghost_hits
-    # The same keys, in the same eviction order.
+    # The same keys resident, in the same eviction order.
     assert list(pool.policy.resident_keys()) == list(simulated.resident_keys())
 
 
@@ -98,19 +88,35 @@ def test_sequential_replay_matches_simulator(tmp_path: Path, policy: str) -> Non
         output_tokens=1,
         seed=3,
     )
+    path = tmp_path / "docqa.jsonl"
+    write_generated(path, docqa(params), "mooncake")
+    chains = [list(r.hash_ids[: r.num_blocks]) for r in load_trace(path) if r.num_blocks]
+    assert len(chains) > 100
     # 24 blocks; documents are 5 blocks, so the hot set does not fit.
-    replay_both(tmp_path, policy, 24, docqa(params), params.seed)
+    replay_both(policy, 24, chains, params.seed)
 
 
-def test_sampling_trio_above_1024_blocks_matches_simulator(tmp_path: Path) -> None:
-    # Above 1,024 blocks trio's miniatures see 1 key in 8, picked by the key's hash, and each
-    # miniature's order follows the order of the finds: tail first on both sides.
-    params = DocQAParams(
-        documents=600,
-        document_tokens=2_500,
-        questions_per_document=8.0,
-        question_tokens=600,
-        output_tokens=1,
-        seed=5,
-    )
-    replay_both(tmp_path, "trio", 1_100, docqa(params), params.seed)
+def shared_prefix_chains(seed: int, requests: int) -> list[list[int]]:
+    """Prefixes of random length of Zipf-popular long documents, each with a unique tail."""
+    rng = random.Random(seed)
+    documents, longest = 60, 120
+    weights = [1 / (rank + 1) for rank in range(documents)]
+    unique = 10**9
+    chains = []
+    for _ in range(requests):
+        document = rng.choices(range(documents), weights)[0]
+        chain = [document * 100_000 + block for block in range(rng.randint(1, longest))]
+        tail = rng.randint(1, 3)
+        chain += range(unique, unique + tail)
+        unique += tail
+        chains.append(chain)
+    return chains
+
+
+def test_sampling_trio_above_1024_blocks_matches_simulator() -> None:
+    # Above 1,024 blocks trio's miniatures see 1 key in 8, and which of a request's sampled
+    # keys fall in which scoring window follows the order of the finds: the cached prefix
+    # tail first on both sides (vLLM's touch gets it head first). Prefixes of varied length
+    # over long documents make that order matter: with seed 2, taking the prefix head first
+    # changes the hits.
+    replay_both("trio", 1_100, shared_prefix_chains(2, 1_500), 2)

@@ -77,3 +77,12 @@ def test_blocks_to_pin_counts_what_a_request_would_add() -> None:
     pool.take([1, 2])
     assert pool.blocks_to_pin([1, 2, 3, 4]) == 2
     assert pool.blocks_to_pin([5]) == 1
+
+
+def test_a_fully_cached_prompt_takes_its_last_block_after_the_hits() -> None:
+    pool = pool_of("lru", 8)
+    pool.take([1, 2, 3])
+    pool.give_back([1, 2, 3])
+    # vLLM computes the last prompt token, so block 3 is cached but not a hit.
+    assert pool.take([1, 2, 3], max_hits=2) == 2
+    assert all(pool.is_pinned(key) for key in (1, 2, 3))

@@ -1,0 +1,50 @@
+"""The plugin's entry point checks the vLLM version before it imports any vLLM internals."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import vllm
+
+import arc_evictor.vllm_plugin as plugin
+from arc_evictor.vllm_plugin.version import UnsupportedVllmError, check_vllm_version
+
+
+def test_unsupported_vllm_version_is_refused_with_a_clear_message() -> None:
+    with pytest.raises(
+        UnsupportedVllmError, match=r"supports vLLM 0\.32\.\* .*found vLLM 0\.31\.1"
+    ):
+        check_vllm_version("0.31.1")
+    check_vllm_version()  # the installed vLLM is the supported one
+
+
+def test_register_checks_the_version_before_importing_the_adapter(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("ARC_EVICTOR_POLICY", "lru")
+    monkeypatch.delenv("ARC_EVICTOR_CONFIG", raising=False)
+    monkeypatch.setattr(plugin, "_runtime", None)
+    # Importing the adapter now fails, as it may on another vLLM whose internals moved.
+    monkeypatch.delattr(plugin, "adapter")
+    monkeypatch.setitem(sys.modules, "arc_evictor.vllm_plugin.adapter", None)
+
+    monkeypatch.setattr(vllm, "__version__", "0.31.1")
+    with pytest.raises(UnsupportedVllmError, match=r"found vLLM 0\.31\.1"):
+        plugin.register()
+    assert plugin._runtime is None  # nothing was installed
+
+    # With the supported version the check passes and register goes on to the adapter.
+    monkeypatch.setattr(vllm, "__version__", "0.32.0")
+    with pytest.raises(ImportError, match=r"arc_evictor\.vllm_plugin\.adapter"):
+        plugin.register()
+    assert plugin._runtime is None
+
+
+def test_register_does_nothing_without_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("ARC_EVICTOR_POLICY", raising=False)
+    monkeypatch.delenv("ARC_EVICTOR_CONFIG", raising=False)
+    monkeypatch.setattr(plugin, "_runtime", None)
+    monkeypatch.setattr(vllm, "__version__", "0.31.1")  # not even checked
+    plugin.register()
+    assert plugin._runtime is None
