@@ -78,7 +78,7 @@ images:
 	fi
 
 clean:
-	rm -rf $(VENV) $(TOOLS) $(OUT)
+	rm -rf $(VENV) $(AUDIT_VENV) $(TOOLS) $(OUT)
 
 # Operator end-to-end check on the cluster in KUBECONFIG (skips when none is reachable).
 .PHONY: e2e
@@ -90,3 +90,40 @@ e2e:
 # Writes tables (txt, JSON, CSV), one plot per trace and mode, and the traces to out/evaluate/.
 evaluate: $(STAMP)
 	$(PY) -m arc_evictor.cli evaluate --out $(OUT)/evaluate
+
+# Security audit (SECURITY.md): checkov on the chart rendered with its default values and every
+# ci/ variant and on images/*.Dockerfile, and bandit on the Python packages (medium and high
+# findings fail). The scanners live in their own virtualenv: checkov's pins clash with vllm's.
+# Any failed check fails the target; skips are annotated in place with their reason.
+AUDIT_VENV := .venv-audit
+AUDIT_STAMP := $(AUDIT_VENV)/.installed-stamp
+CHECKOV_VERSION ?= 3.3.30
+BANDIT_VERSION ?= 1.9.4
+AUDIT_RELEASE := arc-serving
+
+$(AUDIT_STAMP):
+	$(PYTHON) -m venv $(AUDIT_VENV)
+	$(AUDIT_VENV)/bin/python -m pip install --quiet "checkov==$(CHECKOV_VERSION)" "bandit==$(BANDIT_VERSION)"
+	touch $@
+
+.PHONY: audit
+audit: $(AUDIT_STAMP) $(HELM)
+	@tmp=$$(mktemp -d) && trap 'rm -rf "$$tmp"' EXIT && \
+	  $(HELM) template $(AUDIT_RELEASE) charts/arc-serving --namespace $(AUDIT_RELEASE) \
+	    > "$$tmp/default.yaml" && \
+	  for values in charts/arc-serving/ci/*.yaml; do \
+	    $(HELM) template $(AUDIT_RELEASE) charts/arc-serving --namespace $(AUDIT_RELEASE) \
+	      --values "$$values" > "$$tmp/$$(basename "$$values")" || exit 1; \
+	  done && \
+	  status=0 && \
+	  echo "== checkov: chart rendered with default values and $$(ls charts/arc-serving/ci/*.yaml | wc -l) ci/ variants" && \
+	  { $(AUDIT_VENV)/bin/checkov --directory "$$tmp" --framework kubernetes --compact --quiet \
+	      --skip-download || status=1; } && \
+	  echo "== checkov: images/*.Dockerfile" && \
+	  { $(AUDIT_VENV)/bin/checkov --directory images --framework dockerfile --compact --quiet \
+	      --skip-download || status=1; } && \
+	  echo "== bandit: medium and high severity" && \
+	  { $(AUDIT_VENV)/bin/bandit --recursive arc_evictor loadtest operator/arc_operator -ll \
+	      || status=1; } && \
+	  if [ "$$status" -eq 0 ]; then echo "make audit: clean"; else echo "make audit: FAILED" >&2; fi && \
+	  exit $$status

@@ -5,18 +5,21 @@
     arc-evictor generate docqa|conversation --out FILE [--form bailian] [--seed 0] ...
     arc-evictor evaluate [--out out/evaluate] [--seeds 0,1,2] [--capacity 5,10,20,40] [--check]
 
-Bad input (an unknown policy, a malformed trace line, a bad capacity) prints one
-line naming the problem to stderr and exits with status 2 before any work.
+Bad input (an unknown policy, a malformed trace line, a bad capacity, an unknown
+flag) prints one line naming the problem to stderr and exits with status 2 before
+any work, creating or changing no file or folder.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from collections.abc import Sequence
 from dataclasses import fields
 from pathlib import Path
+from typing import NoReturn
 
 from arc_evictor.generate import (
     ConversationParams,
@@ -35,10 +38,19 @@ class UsageError(ValueError):
     """A command-line value that cannot be used."""
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with its errors on one line (no usage block), like every other error here."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def parse_policies(text: str) -> list[str]:
-    names = [name.strip().lower() for name in text.split(",") if name.strip()]
-    if not names:
+    names = [name.strip().lower() for name in text.split(",")]
+    if not any(names):
         raise UsageError(f"--policy needs at least one of: {', '.join(simulator_policy_names())}")
+    if not all(names):  # "arc,,lru" or a trailing comma: a name is missing
+        raise UsageError(f"--policy {text!r}: an empty name between commas")
     for name in names:
         build_policy(name, 1, [])
     return names
@@ -66,17 +78,24 @@ def parse_capacities(text: str, distinct_blocks: int) -> list[int]:
 
 
 def _writable_folder(path: Path) -> bool:
-    """True if ``path``'s folder exists (or can be made) and takes new files."""
-    folder = path.parent
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except OSError:
+    """True if ``path``'s folder exists (or can be made) and takes new files.
+
+    Decided without creating anything: the nearest existing ancestor must be a writable
+    folder, and ``path`` itself must not be a folder.
+    """
+    if path.is_dir():
         return False
-    return os.access(folder, os.W_OK)
+    folder = path.absolute().parent
+    while not folder.exists():
+        folder = folder.parent
+    return folder.is_dir() and os.access(folder, os.W_OK)
 
 
 def _simulate(args: argparse.Namespace) -> int:
     policies = parse_policies(args.policy)
+    rate = args.prefill_tokens_per_second
+    if not (math.isfinite(rate) and rate > 0):
+        raise UsageError(f"--prefill-tokens-per-second must be a finite number > 0, got {rate}")
     try:
         cost = CostModel(
             prefill_seconds_per_token=1.0 / args.prefill_tokens_per_second,
@@ -113,14 +132,27 @@ def _simulate(args: argparse.Namespace) -> int:
 
 def _generate(args: argparse.Namespace) -> int:
     params_type = DocQAParams if args.workload == "docqa" else ConversationParams
+    own = {field.name for field in fields(params_type)}
+    foreign = sorted(
+        "--" + field.name.replace("_", "-")
+        for other in (DocQAParams, ConversationParams)
+        for field in fields(other)
+        if field.name not in own and getattr(args, field.name, None) is not None
+    )
+    if foreign:
+        raise UsageError(f"{', '.join(foreign)}: not a parameter of the {args.workload} workload")
     overrides = {
         field.name: getattr(args, field.name)
         for field in fields(params_type)
         if getattr(args, field.name, None) is not None
     }
+    if not _writable_folder(args.out):
+        raise UsageError(f"--out {args.out}: cannot write a file there")
     try:
         params = params_type(**overrides)
         requests = docqa(params) if args.workload == "docqa" else conversation(params)
+        if args.block_tokens is None or args.block_tokens >= 1:  # else write_generated says so
+            args.out.parent.mkdir(parents=True, exist_ok=True)  # like --plot and evaluate --out
         count = write_generated(args.out, requests, args.form, args.block_tokens)
     except ValueError as error:
         raise UsageError(str(error)) from None
@@ -153,6 +185,8 @@ def _evaluate(args: argparse.Namespace) -> int:
         )
     except ValueError as error:
         raise UsageError(str(error)) from None
+    if not _writable_folder(args.out / "evaluate.txt"):
+        raise UsageError(f"--out {args.out}: not a folder this user can write into")
     rows = run_evaluation(config, args.out, lambda line: print(line, file=sys.stderr))
     print(table(rows))
     misses = check_targets(rows)
@@ -162,7 +196,7 @@ def _evaluate(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="arc-evictor", description="Prefix-cache eviction policies: simulate and generate."
     )
     commands = parser.add_subparsers(dest="command", required=True)

@@ -478,10 +478,13 @@ class ServerSession:
     cache (and the policy's state, ghost lists included) is empty.
     """
 
-    def __init__(self, base_url: str, model: str, policy_file: Path) -> None:
+    def __init__(
+        self, base_url: str, model: str, policy_file: Path, api_key: str | None = None
+    ) -> None:
         self.base_url = base_url
         self.model = model
         self.policy_file = policy_file
+        self.api_key = api_key  # the server's key: /v1 requests and the replay send it
 
     def _request(self, path: str, body: dict[str, Any] | None = None) -> bytes:
         data = None if body is None else json.dumps(body).encode()
@@ -489,10 +492,12 @@ class ServerSession:
             self.base_url + path,
             data=data,
             method="GET" if body is None else "POST",
-            headers={"Content-Type": "application/json"},
+            headers={"Content-Type": "application/json"}
+            | ({"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}),
         )
         try:
-            with urllib.request.urlopen(request, timeout=120) as response:
+            # base_url is the demo's own server, http://127.0.0.1:PORT, never user input.
+            with urllib.request.urlopen(request, timeout=120) as response:  # nosec B310
                 return response.read()
         except (urllib.error.URLError, OSError) as exc:
             raise DemoError(f"{path} on {self.base_url} failed: {exc}") from exc
@@ -555,7 +560,7 @@ def replay_policy(
         replay = run_replay(
             session.base_url, trace, out_dir=out / name, run_time_s=run_time_s,
             block_tokens=BLOCK_TOKENS, time_scale=time_scale, model=session.model,
-            tokenizer=tokenizer,
+            tokenizer=tokenizer, api_key=session.api_key,
         )  # fmt: skip
     except subprocess.TimeoutExpired as exc:
         raise DemoError(f"the {name} replay did not finish within {exc.timeout:.0f}s") from exc
@@ -670,7 +675,9 @@ def run_demo(settings: DemoSettings) -> int:
             clock.step(
                 f"vLLM up at {server.base_url} in {server.startup_seconds:.0f}s (log {log_path})"
             )
-            session = ServerSession(server.base_url, server.served_model_name, policy_file)
+            session = ServerSession(
+                server.base_url, server.served_model_name, policy_file, server.api_key
+            )
             # Warm-up: the first long prompts of a fresh process are slower; no run pays it.
             for length in (1_500, 1_000, 500):
                 session.complete([4 + i % 1000 for i in range(length)], max_tokens=8)

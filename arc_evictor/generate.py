@@ -34,6 +34,11 @@ from typing import Any
 from arc_evictor.traces import BLOCK_TOKENS, TraceFormatName, write_trace
 
 Segment = tuple[str, int]  # (identity, tokens)
+# Upper bounds on parameters, far above any real workload: a typo like 5000000000 documents
+# is an error instead of hours of generating (and memory for each request).
+MAX_COUNT = 1_000_000  # documents, sessions, system prompts, turns per session
+MAX_TOKENS = 1_000_000  # tokens of one segment (a document, a prompt, an answer)
+MAX_REQUESTS = 10_000_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +94,13 @@ def _check_positive(params: Any, names: Sequence[str]) -> None:
             raise ValueError(f"{name} must be a finite number > 0, got {value}")
 
 
+def _check_at_most(params: Any, names: Sequence[str], limit: int) -> None:
+    for name in names:
+        value = getattr(params, name)
+        if not value <= limit:
+            raise ValueError(f"{name} must be at most {limit:,}, got {value}")
+
+
 def _zipf_sampler(rng: random.Random, n: int, exponent: float) -> list[float]:
     weights = [1.0 / (rank**exponent) for rank in range(1, n + 1)]
     total = sum(weights)
@@ -123,6 +135,16 @@ def docqa(params: DocQAParams) -> list[GeneratedRequest]:
     _check_positive(params, ("question_tokens", "output_tokens", "requests_per_second"))
     if not (params.zipf_exponent >= 0 and math.isfinite(params.zipf_exponent)):
         raise ValueError(f"zipf_exponent must be a finite number >= 0, got {params.zipf_exponent}")
+    if params.system_tokens < 0:
+        raise ValueError(f"system_tokens must be >= 0, got {params.system_tokens}")
+    _check_at_most(params, ("documents",), MAX_COUNT)
+    _check_at_most(params, ("document_tokens", "question_tokens", "system_tokens"), MAX_TOKENS)
+    _check_at_most(params, ("output_tokens",), MAX_TOKENS)
+    if params.documents * params.questions_per_document > MAX_REQUESTS:
+        raise ValueError(
+            f"documents * questions_per_document must be at most {MAX_REQUESTS:,}, got "
+            f"{params.documents * params.questions_per_document:,.0f}"
+        )
     rng = random.Random(params.seed)
     lengths = [_vary(rng, params.document_tokens) for _ in range(params.documents)]
     # Popularity rank is independent of document id, as in a real corpus.
@@ -152,6 +174,10 @@ def conversation(params: ConversationParams) -> list[GeneratedRequest]:
     _check_positive(params, ("max_turns", "user_tokens", "output_tokens", "sessions_per_second"))
     if not (params.think_time_s >= 0 and math.isfinite(params.think_time_s)):
         raise ValueError(f"think_time_s must be a finite number >= 0, got {params.think_time_s}")
+    _check_at_most(params, ("sessions", "system_prompts", "max_turns"), MAX_COUNT)
+    _check_at_most(params, ("system_tokens", "user_tokens", "output_tokens"), MAX_TOKENS)
+    if params.sessions * min(params.max_turns, params.mean_turns) > MAX_REQUESTS:
+        raise ValueError(f"sessions * min(max_turns, mean_turns) must be at most {MAX_REQUESTS:,}")
     rng = random.Random(params.seed)
     cumulative = _zipf_sampler(rng, params.system_prompts, 1.0)
     requests = []

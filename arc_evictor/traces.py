@@ -14,7 +14,11 @@ Two public forms (DESIGN.md, "Traces"), one JSON object per line:
 
 A malformed line raises ``TraceError`` naming the file, the line and the problem;
 nothing is yielded past it, so a caller that reads the whole trace before acting
-(``load_trace``) changes nothing on bad input.
+(``load_trace``) changes nothing on bad input. Lines are split at ``\n`` only (a
+``\r\n`` ending is fine) and decoded as UTF-8 one at a time, so a bad byte is
+reported on its own line; a UTF-8 byte-order mark opening the file is skipped. A key
+given twice in one object is an error (JSON leaves its meaning open), and integers
+must fit JSON's exact range (``MAX_INT``; hash ids: 64 bits).
 """
 
 from __future__ import annotations
@@ -29,6 +33,14 @@ from typing import Any, Literal
 TraceFormatName = Literal["mooncake", "bailian"]
 FORMATS: tuple[TraceFormatName, ...] = ("mooncake", "bailian")
 BLOCK_TOKENS: dict[TraceFormatName, int] = {"mooncake": 512, "bailian": 16}
+# Largest integer field value: beyond 2**53 JSON numbers stop being exact in most readers,
+# and lengths that large overflow the float arithmetic of the cost model.
+MAX_INT = 2**53 - 1
+MAX_HASH_ID = 2**64 - 1  # hash ids are 64-bit hashes at most
+# Keys only the Qwen-Bailian form has: a line with any of them is read as Bailian, so a
+# Bailian line missing chat_id is reported as such instead of passing as Mooncake.
+BAILIAN_KEYS = frozenset({"chat_id", "parent_chat_id", "turn", "type"})
+_JSON_BLANK = " \t\r\n"  # JSON's whitespace; a line of only these is skipped
 
 
 class TraceError(ValueError):
@@ -78,11 +90,37 @@ class TraceRequest:
 
 def detect_format(record: dict[str, Any]) -> TraceFormatName | None:
     """The form one parsed line is written in, or None if it is neither."""
-    if "chat_id" in record:
+    if not BAILIAN_KEYS.isdisjoint(record):
         return "bailian"
-    if "hash_ids" in record and "timestamp" in record:
+    if "hash_ids" in record:
         return "mooncake"
     return None
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    record = dict(pairs)
+    if len(record) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise ValueError(f"key {key!r} appears twice in one object")
+            seen.add(key)
+    return record
+
+
+def _load_line(data: bytes) -> Any:
+    """One line's JSON value; ValueError names what is wrong with it."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(f"not UTF-8 text ({error.reason} at byte {error.start + 1})") from None
+    try:
+        return json.loads(text, object_pairs_hook=_unique_keys)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"not valid JSON ({error.msg})") from None
+    except RecursionError:
+        raise ValueError("not valid JSON (nested too deeply)") from None
+    # Other ValueErrors (a duplicate key, an integer past Python's digit limit) pass as they are.
 
 
 def _field_int(record: dict[str, Any], name: str, minimum: int) -> int:
@@ -93,6 +131,8 @@ def _field_int(record: dict[str, Any], name: str, minimum: int) -> int:
         raise ValueError(f"field {name!r} must be an integer, got {value!r}")
     if value < minimum:
         raise ValueError(f"field {name!r} must be >= {minimum}, got {value}")
+    if value > MAX_INT:
+        raise ValueError(f"field {name!r} must be <= {MAX_INT}, got {value}")
     return value
 
 
@@ -100,6 +140,8 @@ def _field_number(record: dict[str, Any], name: str) -> float:
     if name not in record:
         raise ValueError(f"missing field {name!r}")
     value = record[name]
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_INT:
+        raise ValueError(f"field {name!r} must be at most {MAX_INT} in size, got {value}")
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
         raise ValueError(f"field {name!r} must be a finite number, got {value!r}")
     if value < 0:
@@ -112,10 +154,12 @@ def _hash_ids(record: dict[str, Any], input_length: int, block_tokens: int) -> t
         raise ValueError("missing field 'hash_ids'")
     ids = record["hash_ids"]
     if not isinstance(ids, list) or not all(
-        isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids
+        isinstance(i, int) and not isinstance(i, bool) and 0 <= i <= MAX_HASH_ID for i in ids
     ):
-        raise ValueError("field 'hash_ids' must be a list of non-negative integers")
-    expected = math.ceil(input_length / block_tokens)
+        raise ValueError(
+            f"field 'hash_ids' must be a list of integers in [0, {MAX_HASH_ID}] (64 bits)"
+        )
+    expected = -(-input_length // block_tokens)  # exact ceiling: no float overflow
     if len(ids) != expected:
         raise ValueError(
             f"{len(ids)} hash_ids for input_length {input_length}: "
@@ -167,9 +211,7 @@ def _parse(
             keys=ids[: input_length // block_tokens],
             block_tokens=block_tokens,
         )
-    parent = record.get("parent_chat_id")
-    if isinstance(parent, bool) or not isinstance(parent, int) or parent < -1:
-        raise ValueError(f"field 'parent_chat_id' must be an integer >= -1, got {parent!r}")
+    parent = _field_int(record, "parent_chat_id", -1)
     kind = record.get("type", "text")
     if not isinstance(kind, str):
         raise ValueError(f"field 'type' must be a string, got {kind!r}")
@@ -209,24 +251,29 @@ def read_trace(
     previous_ts = 0.0
     index = 0
     try:
-        handle = open(path, encoding="utf-8")  # noqa: SIM115 - closed in finally, read lazily
+        handle = open(path, "rb")  # noqa: SIM115 - closed in finally, read lazily
     except OSError as error:
         raise TraceError(path, None, f"cannot open trace: {error.strerror}") from error
     try:
-        for line_no, text in enumerate(handle, start=1):
-            if not text.strip():
+        for line_no, data in enumerate(handle, start=1):
+            if line_no == 1:
+                data = data.removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte-order mark
+            if not data.strip(_JSON_BLANK.encode()):
                 continue
             try:
-                record = json.loads(text)
-            except json.JSONDecodeError as error:
-                raise TraceError(path, line_no, f"not valid JSON ({error.msg})") from None
+                record = _load_line(data)
+            except ValueError as error:
+                raise TraceError(path, line_no, str(error)) from None
             if not isinstance(record, dict):
                 raise TraceError(path, line_no, "expected a JSON object")
             if chosen is None:
                 chosen = detect_format(record)
                 if chosen is None:
                     raise TraceError(
-                        path, line_no, "neither Mooncake nor Qwen-Bailian form (no 'hash_ids')"
+                        path,
+                        line_no,
+                        "neither Mooncake nor Qwen-Bailian form (no 'hash_ids', no "
+                        f"{' or '.join(repr(key) for key in sorted(BAILIAN_KEYS))})",
                     )
             form = detect_format(record)
             if form is not None and form != chosen:
@@ -246,8 +293,8 @@ def read_trace(
             previous_ts = request.timestamp_s
             index += 1
             yield request
-    except UnicodeDecodeError as error:
-        raise TraceError(path, None, f"not UTF-8 text ({error.reason})") from None
+    except OSError as error:  # a read error mid-file (the path is a directory, an I/O error)
+        raise TraceError(path, None, f"cannot read trace: {error.strerror}") from None
     finally:
         handle.close()
 
@@ -277,7 +324,7 @@ def trace_record(request: TraceRequest, fmt: TraceFormatName) -> dict[str, Any]:
         "timestamp": round(request.timestamp_s, 3),
         "input_length": request.input_length,
         "output_length": request.output_length,
-        "type": request.kind or "text",
+        "type": request.kind if request.kind is not None else "text",
         "turn": request.turn if request.turn is not None else 1,
         "hash_ids": list(request.hash_ids),
     }

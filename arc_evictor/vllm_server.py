@@ -11,13 +11,18 @@ Invariants:
 - ``PROMETHEUS_MULTIPROC_DIR`` is a fresh empty directory per start (vLLM warns that a reused
   directory gives wrong metrics), so the engine core's ``arc_evictor_*`` metrics reach the API
   server's ``/metrics``;
-- nothing is downloaded: the Hugging Face hub is switched to offline mode.
+- nothing is downloaded: the Hugging Face hub is switched to offline mode;
+- the API is closed by default: every server gets a fresh random API key (``api_key``), which
+  reaches vLLM only through the environment variable ``VLLM_API_KEY``, never its command line
+  (``/proc/PID/cmdline`` is readable by every local user); callers send ``auth_headers``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import enum
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -32,6 +37,16 @@ from types import TracebackType
 
 # The CPU backend's paged attention works on blocks of a multiple of 32 tokens.
 CPU_BLOCK_MULTIPLE = 32
+# vLLM reads its API key from this variable (vllm.envs) when --api-key is not given.
+API_KEY_ENV = "VLLM_API_KEY"
+
+
+class _KeySentinel(enum.Enum):
+    GENERATE = "generate"
+
+
+# ``VllmServer(api_key=GENERATE)`` (the default): a fresh random key per server.
+GENERATE = _KeySentinel.GENERATE
 
 
 class VllmServerError(RuntimeError):
@@ -58,6 +73,10 @@ class VllmServer:
 
     Attributes once started: ``base_url`` (``http://127.0.0.1:PORT``), ``port``, ``log_path``,
     ``metrics_dir`` and ``startup_seconds`` (time from spawn to a healthy ``/health``).
+
+    ``api_key``: the key vLLM requires on ``/v1/*`` (``GENERATE``, the default, draws a fresh
+    one with ``secrets.token_urlsafe``; ``None`` serves without a key, for callers that opt
+    out explicitly). ``auth_headers`` are the headers a ``/v1`` request must carry.
     """
 
     def __init__(
@@ -74,6 +93,7 @@ class VllmServer:
         startup_timeout_s: float = 300.0,
         enforce_eager: bool = True,
         kvcache_space_gib: int = 1,
+        api_key: str | _KeySentinel | None = GENERATE,
     ) -> None:
         if block_size < CPU_BLOCK_MULTIPLE or block_size % CPU_BLOCK_MULTIPLE:
             raise ValueError(
@@ -94,6 +114,19 @@ class VllmServer:
             )
         if not (Path(model_dir) / "config.json").is_file():
             raise ValueError(f"{model_dir} is not a model directory (no config.json)")
+        if env and API_KEY_ENV in env:
+            raise ValueError(f"pass the API key as api_key=, not env {API_KEY_ENV}")
+        if any(arg.split("=", 1)[0].replace("_", "-") == "--api-key" for arg in extra_args):
+            raise ValueError(
+                "pass the API key as api_key=, not --api-key (argv is visible to every local "
+                "user in /proc/PID/cmdline)"
+            )
+        if api_key is GENERATE:
+            api_key = secrets.token_urlsafe(32)
+        elif api_key is not None and (not api_key or api_key != api_key.strip() or " " in api_key):
+            # vLLM compares the whole text after "Bearer "; blanks could never be sent back.
+            raise ValueError("api_key must be a non-empty string without spaces")
+        self.api_key: str | None = api_key
         self.model_dir = Path(model_dir)
         self.block_size = block_size
         self.num_gpu_blocks = num_gpu_blocks
@@ -157,7 +190,16 @@ class VllmServer:
             }
         )
         env.update(self.extra_env)
+        # Never inherit a key from the caller's shell: the server's key is api_key alone.
+        env.pop(API_KEY_ENV, None)
+        if self.api_key is not None:
+            env[API_KEY_ENV] = self.api_key
         return env
+
+    @property
+    def auth_headers(self) -> dict[str, str]:
+        """Headers a request to ``/v1/*`` needs (empty when the server has no key)."""
+        return {} if self.api_key is None else {"Authorization": f"Bearer {self.api_key}"}
 
     def start(self) -> VllmServer:
         """Spawn the server and wait until ``/health`` answers 200; raise with the log tail."""
@@ -210,7 +252,8 @@ class VllmServer:
     def healthy(self) -> bool:
         """True when ``/health`` answers 200 now."""
         try:
-            with urllib.request.urlopen(f"{self.base_url}/health", timeout=2) as resp:
+            # base_url is always http://127.0.0.1:PORT (set in start()), never user input.
+            with urllib.request.urlopen(f"{self.base_url}/health", timeout=2) as resp:  # nosec B310
                 return resp.status == 200
         except (urllib.error.URLError, OSError):
             return False

@@ -3,7 +3,7 @@
     locust -f loadtest/locustfile.py --headless --host URL --trace PATH \
         [--trace-format auto|mooncake|bailian] [--block-tokens N] [--time-scale F] [--seed N] \
         [--results FILE.jsonl] [--summary FILE.json] [--model NAME] [--tokenizer PATH] \
-        --run-time 10m
+        --run-time 10m        (API key: env LOADTEST_API_KEY, or --api-key KEY)
 
 Open loop: one dispatcher per load-generating runner sends each trace request at its
 (scaled) timestamp from its own greenlet (loadtest.schedule), so Locust's ``--users`` and
@@ -14,13 +14,29 @@ connected workers (``replay_plan`` message), workers stream each finished reques
 server's counters, writes the results and summary, and quits. Every worker draws the same
 tokens for the same hash id (loadtest.tokens).
 
-Exit codes: 0 when every sent request succeeded; 1 when a request failed or the replay could
-not start (server unreachable, bad option); 2 when the trace is malformed (nothing is sent).
-Requests the run time cut off are counted as ``unsent`` in the summary, not as failures.
+Exit codes: 0 when every sent request succeeded; 1 when a request failed, the replay stopped
+early (see below) or could not start (server unreachable, bad option, authentication
+failed); 2 when the trace is malformed (nothing is sent). Requests the run time cut off are
+counted as ``unsent`` in the summary, not as failures.
+
+A server that goes away does not hold the run until the end of the trace: after
+``--max-unreachable`` (default 10; 0: never) consecutive requests got no HTTP answer
+(connection refused, reset or cut mid-stream), each runner stops sending, abandons what is
+in flight, and the run ends with exit code 1; the summary's ``stopped_early`` says why, the
+rest of the trace counts as ``unsent``. One request can hang for ``--request-timeout`` at
+most, and the whole run for ``--run-time``.
+
+API key: sent as ``Authorization: Bearer KEY`` on every request. Prefer the environment
+(``LOADTEST_API_KEY``) to ``--api-key``, which any local user can read in the process list. A
+401 fails the run with "authentication failed" in the log and the summary; the key itself is
+never logged or written. Distributed, every runner reads its own key: the master blanks it
+before Locust copies its options to the workers, so it never crosses the master-worker
+channel (give each worker ``LOADTEST_API_KEY`` too).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 import time
@@ -38,7 +54,16 @@ from locust.runners import LocalRunner, MasterRunner, WorkerRunner
 from urllib3 import PoolManager
 
 from arc_evictor.traces import FORMATS, TraceError
-from loadtest.replay import ReplaySettings, Results, ServerClient, load_vocabulary
+from loadtest.replay import (
+    API_KEY_ENV,
+    AuthenticationError,
+    ReplaySettings,
+    Results,
+    ServerClient,
+    auth_failure,
+    auth_headers,
+    load_vocabulary,
+)
 from loadtest.schedule import Dispatcher, DispatchTiming, PlannedRequest, partition
 from loadtest.stream import StreamError, StreamStats, completion_body
 from loadtest.tokens import TokenMapper, Vocabulary, VocabularyError
@@ -48,6 +73,8 @@ log = logging.getLogger("loadtest")
 COMPLETIONS = "/v1/completions"
 START_DELAY_S = 2.0  # workers set up (trace, vocabulary) before the common start
 MAX_CONNECTIONS = 512  # open loop: every request in flight holds a connection
+# Failures that mean no HTTP answer came (the server is gone), as opposed to a bad answer.
+CONNECTION_LOST = (requests.ConnectionError, requests.exceptions.ChunkedEncodingError)
 
 
 @events.init_command_line_parser.add_listener
@@ -101,6 +128,20 @@ def _add_options(parser: Any) -> None:
         type=float,
         default=600.0,
         help="Seconds one request may take",
+    )
+    group.add_argument(
+        "--max-unreachable",
+        env_var="LOADTEST_MAX_UNREACHABLE",
+        type=int,
+        default=10,
+        help="Stop after this many consecutive requests got no HTTP answer (0: never)",
+    )
+    group.add_argument(
+        "--api-key",
+        env_var=API_KEY_ENV,
+        default="",
+        help=f"API key sent as 'Authorization: Bearer KEY' (prefer env {API_KEY_ENV}: "
+        "argv is visible in the process list)",
     )
 
 
@@ -161,6 +202,8 @@ class Replay:
         self.test_started = False
         self.started = False
         self.failed_setup = False
+        self.unreachable = 0  # consecutive requests that got no HTTP answer
+        self.stop_reason: str | None = None  # why this runner stopped sending early
 
     # -- set-up ------------------------------------------------------------------------
 
@@ -172,13 +215,14 @@ class Replay:
     def discover(self) -> None:
         """Served model and vocabulary, then the counters at the start (in that order:
         probing the vocabulary sends requests that must not count in the run's hit rate)."""
-        client = ServerClient(self.settings.host)
+        # First, so that a replay that cannot start still writes a summary saying why.
+        self.results = Results(self.settings, planned=len(self.plan))
+        client = ServerClient(self.settings.host, api_key=self.settings.api_key)
         try:
             self.model = self.settings.model or client.served_model()
             self.vocabulary = load_vocabulary(self.settings, client, self.model)
             log.info("model %s, %d token ids from %s", self.model,
                      len(self.vocabulary.allowed), self.vocabulary.source)  # fmt: skip
-            self.results = Results(self.settings, planned=len(self.plan))
             try:
                 self.results.start_counters = client.counters()
             except (requests.RequestException, ValueError) as error:
@@ -205,19 +249,36 @@ class Replay:
             user=None,
             pool_manager=PoolManager(maxsize=MAX_CONNECTIONS),
         )
+        session.headers.update(auth_headers(self.settings.api_key))
         produced = 0
 
         def send(planned: PlannedRequest, timing: DispatchTiming) -> None:
             nonlocal produced
-            row = self._send(session, mapper, planned, timing)
+            row, answered = self._send(session, mapper, planned, timing)
             row["part"] = part
             produced += 1
             sink(row)
+            self._count_answer(answered)
 
         self.dispatcher = Dispatcher(partition(self.plan, part, parts), send)
         self.dispatcher.start(at=start)
         self.dispatcher.join()
         return produced
+
+    def _count_answer(self, answered: bool) -> None:
+        """Track requests without an HTTP answer; stop sending after too many in a row."""
+        self.unreachable = 0 if answered else self.unreachable + 1
+        limit = self.settings.max_unreachable
+        if not limit or self.unreachable < limit or self.stop_reason is not None:
+            return
+        self.stop_reason = (
+            f"the server did not answer {limit} requests in a row (connection refused or "
+            "lost); the rest of the trace was not sent"
+        )
+        log.error("stopping the replay: %s", self.stop_reason)
+        if self.dispatcher is not None:
+            # From a greenlet of its own: stop() kills the dispatcher's greenlets, this one too.
+            gevent.spawn(self.dispatcher.stop)
 
     def _send(
         self,
@@ -225,14 +286,17 @@ class Replay:
         mapper: TokenMapper,
         planned: PlannedRequest,
         timing: DispatchTiming,
-    ) -> dict[str, Any]:
+    ) -> tuple[dict[str, Any], bool]:
+        """Send one request; returns its row and whether the server answered at all."""
         request = planned.request
         prompt = mapper.prompt(request.hash_ids, request.input_length)
         body = completion_body(self.model, prompt, request.output_length)
         expected = body["max_tokens"]
         sent_wall, sent = time.time(), time.perf_counter()
         error: str | None = None
+        status: int | None = None
         received = 0
+        answered = True
         with (
             token_timing(self.environment.events.request, COMPLETIONS, sent) as stats,
             session.post(
@@ -245,6 +309,9 @@ class Replay:
             ) as response,
         ):
             try:
+                status = response.status_code
+                if status == 401:
+                    raise StreamError(auth_failure(bool(self.settings.api_key)))
                 if response.status_code != 200:
                     detail = getattr(response, "error", None) or response.text[:300]
                     raise StreamError(f"HTTP {response.status_code}: {detail}")
@@ -259,6 +326,8 @@ class Replay:
             except (StreamError, requests.RequestException) as problem:
                 error = str(problem)
                 response.failure(error)
+                # Locust reports a request that got no response as status 0.
+                answered = status != 0 and not isinstance(problem, CONNECTION_LOST)
             else:
                 response.success()
             finally:
@@ -266,11 +335,12 @@ class Replay:
                 # Locust timed the headers only: report the whole stream, and its bytes.
                 response.request_meta["response_time"] = e2e * 1000
                 response.request_meta["response_length"] = received
-        return {
+        row = {
             "index": request.index,
             "line": request.line,
             "session": planned.session,
             "ok": error is None,
+            "status": status,
             "error": error,
             "due_s": timing.due_s,
             "ready_s": timing.ready_s,
@@ -288,15 +358,17 @@ class Replay:
             "itl_s": stats.itl,
             "e2e_s": e2e,
         }
+        return row, answered
 
     # -- results (local runner and master) -----------------------------------------------
 
     def finish_results(self) -> dict[str, Any] | None:
         if self.results is None or self.results.summary is not None:
             return None if self.results is None else self.results.summary
+        self.results.stop_reason = self.results.stop_reason or self.stop_reason
         end = None
         if self.results.start_counters is not None:
-            client = ServerClient(self.settings.host)
+            client = ServerClient(self.settings.host, api_key=self.settings.api_key)
             try:
                 end = client.settled_counters()
             except (requests.RequestException, ValueError) as error:
@@ -307,19 +379,32 @@ class Replay:
 
     def exit_code(self) -> int:
         summary = self.results.summary if self.results else None
-        if self.failed_setup or summary is None or summary["requests_failed"]:
+        if (
+            self.failed_setup
+            or summary is None
+            or summary["requests_failed"]
+            or summary["stopped_early"]
+        ):
             return 1
         return 0
 
 
 replay: Replay | None = None
-SETUP_ERRORS = (TraceError, VocabularyError, ValueError, requests.RequestException)
+SETUP_ERRORS = (
+    TraceError,
+    VocabularyError,
+    ValueError,
+    AuthenticationError,
+    requests.RequestException,
+)
 
 
 def _fail_setup(message: str) -> None:
     log.error("replay cannot start: %s", message)
     if replay is not None:
         replay.failed_setup = True
+        if replay.results is not None and replay.results.setup_error is None:
+            replay.results.setup_error = message
 
 
 @events.init.add_listener
@@ -327,6 +412,9 @@ def _on_init(environment: Environment, **_: Any) -> None:
     global replay
     replay = Replay(environment)
     runner = environment.runner
+    if isinstance(runner, MasterRunner) and environment.parsed_options is not None:
+        # Locust sends the master's options to every worker in clear: keep the key out.
+        environment.parsed_options.api_key = ""
     if isinstance(runner, WorkerRunner):
         runner.register_message("replay_plan", _on_plan)
         return  # options arrive from the master with the first spawn message
@@ -413,8 +501,12 @@ def _maybe_start_worker(runner: WorkerRunner) -> None:
 def _run_worker(runner: WorkerRunner) -> None:
     assert replay is not None and replay.worker_plan is not None
     plan = replay.worker_plan
-    replay.settings = ReplaySettings.from_options(
-        runner.environment.parsed_options, runner.environment.host or ""
+    # The master's options, with this worker's own key (the master never sends one).
+    replay.settings = dataclasses.replace(
+        ReplaySettings.from_options(
+            runner.environment.parsed_options, runner.environment.host or ""
+        ),
+        api_key=replay.settings.api_key,
     )
     replay.model = plan["model"]
     replay.vocabulary = Vocabulary.build(plan["allowed"], plan["special"], plan["source"])
@@ -429,7 +521,12 @@ def _run_worker(runner: WorkerRunner) -> None:
         )
     except SETUP_ERRORS as error:
         _fail_setup(str(error))
-    done = {"part": plan["part"], "rows": produced, "ok": not replay.failed_setup}
+    done = {
+        "part": plan["part"],
+        "rows": produced,
+        "ok": not replay.failed_setup,
+        "stopped_early": replay.stop_reason,
+    }
     runner.send_message("replay_done", done)
 
 
@@ -442,6 +539,8 @@ def _on_done(environment: Environment, msg: Any, **_: Any) -> None:
     assert replay is not None
     if not msg.data["ok"]:
         _fail_setup(f"worker part {msg.data['part']} failed to start")
+    if msg.data.get("stopped_early") and replay.results is not None:
+        replay.results.stop_reason = f"worker part {msg.data['part']}: {msg.data['stopped_early']}"
     replay.worker_parts.discard(msg.data["part"])
     if not replay.worker_parts:
         replay.finish_results()

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,29 @@ from .schedule import PlannedRequest, plan_replay
 from .tokens import Vocabulary, VocabularyError, vocabulary_from_server, vocabulary_from_tokenizer
 
 log = logging.getLogger("loadtest")
+
+# The API key's variable (also --api-key). No fallback to OPENAI_API_KEY: a key meant for
+# another service must never be sent to the server under test by accident.
+API_KEY_ENV = "LOADTEST_API_KEY"
+
+
+class AuthenticationError(RuntimeError):
+    """The server answered HTTP 401: the API key is missing or wrong (the key is not shown)."""
+
+
+def auth_failure(has_key: bool) -> str:
+    """Why a 401 happened, and what to do; never includes the key."""
+    if has_key:
+        return "authentication failed: the server rejected the API key (HTTP 401)"
+    return (
+        f"authentication failed: the server requires an API key (HTTP 401); set {API_KEY_ENV} "
+        "or pass --api-key"
+    )
+
+
+def auth_headers(api_key: str) -> dict[str, str]:
+    """The headers that carry ``api_key`` (none without a key)."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +65,10 @@ class ReplaySettings:
     model: str = ""
     tokenizer: str = ""
     request_timeout_s: float = 600.0
+    # Stop the replay after this many consecutive requests got no HTTP answer (0: never).
+    max_unreachable: int = 10
+    # Sent as "Authorization: Bearer KEY"; kept out of repr so no log line can show it.
+    api_key: str = field(default="", repr=False)
 
     @classmethod
     def from_options(cls, options: Any, host: str) -> ReplaySettings:
@@ -56,6 +84,8 @@ class ReplaySettings:
             model=options.model,
             tokenizer=options.tokenizer,
             request_timeout_s=options.request_timeout,
+            max_unreachable=options.max_unreachable,
+            api_key=getattr(options, "api_key", "") or "",
         )
 
     def validate(self) -> None:
@@ -68,12 +98,25 @@ class ReplaySettings:
             raise ValueError(
                 f"--block-tokens must be >= 1 (0: the form's), got {self.block_tokens}"
             )
-        if not self.time_scale > 0:
-            raise ValueError(f"--time-scale must be > 0, got {self.time_scale}")
+        # Finite too: an infinite scale puts every request after the end of time (a hang).
+        if not (self.time_scale > 0 and math.isfinite(self.time_scale)):
+            raise ValueError(f"--time-scale must be a finite number > 0, got {self.time_scale}")
         if self.seed < 0:
             raise ValueError(f"--seed must be >= 0, got {self.seed}")
-        if not self.request_timeout_s > 0:
-            raise ValueError(f"--request-timeout must be > 0, got {self.request_timeout_s}")
+        if not (self.request_timeout_s > 0 and math.isfinite(self.request_timeout_s)):
+            raise ValueError(
+                f"--request-timeout must be a finite number > 0, got {self.request_timeout_s}"
+            )
+        if self.max_unreachable < 0:
+            raise ValueError(
+                f"--max-unreachable must be >= 0 (0: never stop), got {self.max_unreachable}"
+            )
+        if any(char.isspace() or not char.isprintable() for char in self.api_key):
+            # The message must not echo the key.
+            raise ValueError(
+                f"--api-key (or {API_KEY_ENV}) must not contain spaces, line breaks or "
+                "control characters"
+            )
 
     def load_plan(self) -> list[PlannedRequest]:
         """Read and plan the whole trace; a bad line raises TraceError before anything runs."""
@@ -84,20 +127,30 @@ class ReplaySettings:
 
 
 class ServerClient:
-    """Small blocking JSON client for the server's non-benchmarked endpoints."""
+    """Small blocking JSON client for the server's non-benchmarked endpoints.
 
-    def __init__(self, host: str, timeout_s: float = 30.0) -> None:
+    Every request carries the API key (when there is one); a 401 raises AuthenticationError.
+    """
+
+    def __init__(self, host: str, timeout_s: float = 30.0, api_key: str = "") -> None:
         self.host = host.rstrip("/")
         self.timeout_s = timeout_s
+        self._has_key = bool(api_key)
         self._session = requests.Session()
+        self._session.headers.update(auth_headers(api_key))
+
+    def _checked(self, response: requests.Response, path: str) -> tuple[int, Any]:
+        if response.status_code == 401:
+            raise AuthenticationError(f"{auth_failure(self._has_key)} on {self.host}{path}")
+        return response.status_code, _json_or_text(response)
 
     def get_json(self, path: str) -> tuple[int, Any]:
         response = self._session.get(self.host + path, timeout=self.timeout_s)
-        return response.status_code, _json_or_text(response)
+        return self._checked(response, path)
 
     def post_json(self, path: str, body: dict[str, Any]) -> tuple[int, Any]:
         response = self._session.post(self.host + path, json=body, timeout=self.timeout_s)
-        return response.status_code, _json_or_text(response)
+        return self._checked(response, path)
 
     def served_model(self) -> str:
         """The first model ``/v1/models`` lists."""
@@ -152,6 +205,8 @@ class Results:
         self.rows: dict[int, dict[str, Any]] = {}
         self.start_counters: CacheCounters | None = None
         self.start_wall = time.time()
+        self.setup_error: str | None = None  # why the replay could not start, if it did not
+        self.stop_reason: str | None = None  # why the replay stopped early, if it did
         self.summary: dict[str, Any] | None = None
 
     def add(self, row: dict[str, Any]) -> None:
@@ -172,6 +227,8 @@ class Results:
             start=self.start_counters,
             end=end_counters,
             duration_s=duration,
+            setup_error=self.setup_error,
+            stop_reason=self.stop_reason,
         )
         if self.settings.results:
             Path(self.settings.results).parent.mkdir(parents=True, exist_ok=True)

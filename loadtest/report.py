@@ -66,11 +66,17 @@ def summarize(
     start: CacheCounters | None,
     end: CacheCounters | None,
     duration_s: float,
+    setup_error: str | None = None,
+    stop_reason: str | None = None,
 ) -> dict[str, Any]:
     """The run's summary from its per-request rows.
 
     ``planned`` is the number of requests in the trace; the difference to the rows is the
     requests the run time cut off. Throughput counts answered requests over ``duration_s``.
+    ``requests_unauthorized`` counts the HTTP 401 answers (no API key or a wrong one);
+    ``setup_error`` is why the replay could not start (None when it started);
+    ``stopped_early`` is why it stopped before the end of the trace (the server became
+    unreachable), None when it did not.
     """
     rows = list(rows)
     ok = [r for r in rows if r["ok"]]
@@ -81,6 +87,9 @@ def summarize(
         "requests_ok": len(ok),
         "requests_failed": len(rows) - len(ok),
         "requests_unsent": planned - len(rows),
+        "requests_unauthorized": sum(1 for r in rows if r.get("status") == 401),
+        "setup_error": setup_error,
+        "stopped_early": stop_reason,
         "duration_s": duration_s,
         "throughput_rps": len(ok) / duration_s if duration_s > 0 else None,
         "output_tokens": sum(r["output_tokens"] for r in ok),
@@ -115,7 +124,17 @@ def _ms(value: float | None) -> str:
 
 def format_summary(summary: dict[str, Any]) -> str:
     """The summary as a small text table (times in milliseconds)."""
-    lines = [
+    lines = []
+    if summary.get("setup_error"):
+        lines.append(f"replay did not start: {summary['setup_error']}")
+    if summary.get("stopped_early"):
+        lines.append(f"replay stopped early: {summary['stopped_early']}")
+    if summary.get("requests_unauthorized"):
+        lines.append(
+            f"authentication failed: {summary['requests_unauthorized']} requests answered "
+            "HTTP 401 (no API key or a wrong one)"
+        )
+    lines += [
         f"requests: {summary['requests_ok']} ok, {summary['requests_failed']} failed, "
         f"{summary['requests_unsent']} unsent of {summary['requests_planned']} "
         f"in {summary['duration_s']:.1f} s",

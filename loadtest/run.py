@@ -3,7 +3,8 @@
 ``run_replay`` starts the real Locust command line on ``loadtest/locustfile.py`` in a child
 process (Locust monkey-patches the standard library with gevent, which must not happen in
 the caller's process), waits for it with a bound, and returns the summary the locustfile
-wrote. ``workers=N`` runs a master and N workers on 127.0.0.1.
+wrote. ``workers=N`` runs a master and N workers on 127.0.0.1. The API key reaches every
+Locust process through its environment (``LOADTEST_API_KEY``), never its command line.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from loadtest.replay import API_KEY_ENV
 
 LOCUSTFILE = Path(__file__).with_name("locustfile.py")
 
@@ -73,12 +76,15 @@ def run_replay(
     out_dir: str | Path | None = None,
     run_time_s: int = 600,
     workers: int = 0,
+    api_key: str | None = None,
     **options: Any,
 ) -> ReplayRun:
     """Replay ``trace`` against ``host`` headless; returns exit code, summary and log.
 
     ``options`` are ``replay_command``'s keywords (trace_format, block_tokens, time_scale,
     seed, model, tokenizer). The child gets ``run_time_s`` plus a grace period to finish.
+    ``api_key`` (None: send none, whatever the caller's environment holds) goes to the
+    children in ``LOADTEST_API_KEY``.
     """
     out = Path(out_dir) if out_dir is not None else Path(tempfile.mkdtemp(prefix="replay-"))
     out.mkdir(parents=True, exist_ok=True)
@@ -87,7 +93,8 @@ def run_replay(
     command = replay_command(
         host, trace, results=results, summary=summary, run_time_s=run_time_s, **options
     )
-    env = os.environ | {"PYTHONUNBUFFERED": "1"}
+    env = {name: value for name, value in os.environ.items() if name != API_KEY_ENV}
+    env |= {"PYTHONUNBUFFERED": "1"} | ({API_KEY_ENV: api_key} if api_key else {})
     grace = 60
     if workers < 1:
         done = subprocess.run(

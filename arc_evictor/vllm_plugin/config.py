@@ -30,6 +30,9 @@ ENV_POLICY = "ARC_EVICTOR_POLICY"
 ENV_CONFIG = "ARC_EVICTOR_CONFIG"
 ENV_POLL_MS = "ARC_EVICTOR_POLL_MS"
 DEFAULT_POLL_MS = 500
+# The file is one short JSON object; anything longer is a mistake (a wrong path, a log file),
+# and reading it whole between scheduler steps would stall the engine.
+MAX_FILE_BYTES = 64 * 1024
 
 
 class PluginConfigError(ValueError):
@@ -41,21 +44,45 @@ def validate_policy_name(name: object, source: str) -> str:
     valid = policy_names()
     if isinstance(name, str) and name.strip().lower() in valid:
         return name.strip().lower()
+    shown = repr(name) if len(repr(name)) <= 80 else repr(name)[:77] + "..."  # one log line
     raise PluginConfigError(
-        f"{source}: unknown eviction policy {name!r}; valid policies: {', '.join(valid)}"
+        f"{source}: unknown eviction policy {shown}; valid policies: {', '.join(valid)}"
     )
 
 
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    keys = [key for key, _ in pairs]
+    repeated = sorted({key for key in keys if keys.count(key) > 1})
+    if repeated:
+        raise ValueError(f"key {repeated[0]!r} appears twice")
+    return dict(pairs)
+
+
 def read_policy_file(path: Path) -> str:
-    """The policy named by the JSON file at ``path``; PluginConfigError says what is wrong."""
+    """The policy named by the JSON file at ``path``; PluginConfigError says what is wrong.
+
+    Only PluginConfigError is raised, whatever the file holds: the caller runs between
+    scheduler steps and must not take the engine down over a bad file.
+    """
     try:
-        text = path.read_text()
+        with open(path, "rb") as handle:
+            raw = handle.read(MAX_FILE_BYTES + 1)
     except OSError as exc:
         raise PluginConfigError(f"{ENV_CONFIG}={path}: cannot read: {exc.strerror}") from exc
+    if len(raw) > MAX_FILE_BYTES:
+        raise PluginConfigError(
+            f'{ENV_CONFIG}={path}: larger than {MAX_FILE_BYTES} bytes; expected {{"policy": "arc"}}'
+        )
     try:
-        data = json.loads(text)
+        data = json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_keys)
+    except UnicodeDecodeError as exc:
+        raise PluginConfigError(f"{ENV_CONFIG}={path}: not UTF-8 text: {exc.reason}") from None
     except json.JSONDecodeError as exc:
-        raise PluginConfigError(f"{ENV_CONFIG}={path}: not JSON: {exc}") from exc
+        raise PluginConfigError(f"{ENV_CONFIG}={path}: not JSON: {exc}") from None
+    except RecursionError:
+        raise PluginConfigError(f"{ENV_CONFIG}={path}: not JSON: nested too deeply") from None
+    except ValueError as exc:  # a repeated key, an integer past Python's digit limit
+        raise PluginConfigError(f"{ENV_CONFIG}={path}: not usable JSON: {exc}") from None
     if not isinstance(data, dict) or "policy" not in data:
         raise PluginConfigError(f'{ENV_CONFIG}={path}: expected an object {{"policy": "arc"}}')
     unknown = sorted(set(data) - {"policy"})

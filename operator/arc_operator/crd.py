@@ -43,10 +43,7 @@ def _structural(node: Any, defs: dict[str, Any]) -> Any:
     if not isinstance(node, dict):
         return node
     node = dict(node)
-    if "$ref" in node:
-        # Sibling keys (description, default) override the referenced definition's.
-        target = defs[node.pop("$ref").rsplit("/", 1)[-1]]
-        node = {**target, **node}
+    # anyOf first: an optional nested model is anyOf [{$ref}, null], resolved just below.
     if "anyOf" in node:
         variants = [v for v in node.pop("anyOf") if v != {"type": "null"}]
         if len(variants) != 1:
@@ -54,6 +51,10 @@ def _structural(node: Any, defs: dict[str, Any]) -> Any:
         node = {**variants[0], **node}
         if node.get("default", "") is None:
             del node["default"]
+    if "$ref" in node:
+        # Sibling keys (description, default) override the referenced definition's.
+        target = defs[node.pop("$ref").rsplit("/", 1)[-1]]
+        node = {**target, **node}
     node.pop("title", None)
     if node.get("additionalProperties") is False:
         del node["additionalProperties"]

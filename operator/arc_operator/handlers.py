@@ -14,6 +14,15 @@ and a change handler fails for good (the timer tries again each interval, so a f
 admission policy or quota heals). No response, 5xx, 404 (a child vanished mid-apply), 409 and
 429 are transient: kopf retries after ``RETRY_DELAY_S``.
 
+Deleted children: a child deleted behind the operator's back (``kubectl delete deployment``)
+is recreated at once, not at the next timer pass: an event handler on the three child kinds,
+filtered by the operator's ``managed-by`` label, looks the owner up in an in-memory index of
+ServingPolicies (kopf's ``@kopf.index``, fed by the watch the operator already has, so no
+extra ``get`` permission) and re-applies its children under the owner's lock. It skips an
+owner that is itself being deleted (the garbage collector is removing the children) and an
+invalid spec (the timer reports it). Edited children are put back by the timer, whose
+interval bounds every repair that an event missed.
+
 Idempotency: a child is created only if it does not exist (a 409 from a concurrent create
 falls through to apply), and re-applied only when its manifest hash annotation differs or
 its fields drifted (compared as the API server stores them: quantities by value, empty
@@ -28,6 +37,7 @@ the settings from the environment (an invalid variable stops the import, naming 
 from __future__ import annotations
 
 import asyncio
+import copy
 import datetime
 import hashlib
 import json
@@ -35,7 +45,7 @@ import logging
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any
 
@@ -77,13 +87,28 @@ QUANTITY_MAPS = frozenset({"requests", "limits"})
 SHUTDOWN_GRACE_S = 10.0
 
 
+# The child kinds whose deletion triggers a repair: (group, version, plural).
+CHILD_KINDS = (("apps", "v1", "deployments"), ("", "v1", "services"), ("", "v1", "configmaps"))
+MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
+
+
 @dataclass(frozen=True, slots=True)
 class Runtime:
-    """Clients and settings shared by every handler; built once in on.startup."""
+    """Clients and settings shared by every handler; built once in on.startup.
+
+    Invariant: ``locks`` holds one lock per ServingPolicy (namespace, name); every write to
+    that policy's children happens under it, so the change handlers, the timer and the
+    deleted-child repair never interleave their reads and writes.
+    """
 
     config: OperatorConfig
     api: KubeApi
     http: aiohttp.ClientSession
+    locks: dict[tuple[str, str], asyncio.Lock] = field(default_factory=dict)
+
+    def lock(self, namespace: str, name: str) -> asyncio.Lock:
+        """The lock of ServingPolicy ``namespace/name`` (created on first use)."""
+        return self.locks.setdefault((namespace, name), asyncio.Lock())
 
 
 def configure(settings: kopf.OperatorSettings) -> None:
@@ -174,11 +199,13 @@ def rejected(error: ApiError) -> bool:
 
 
 async def apply_children(
-    api: KubeApi, body: kopf.Body, spec: ServingPolicySpec, logger: logging.Logger | Any
+    api: KubeApi, body: Mapping[str, Any], spec: ServingPolicySpec, logger: logging.Logger | Any
 ) -> None:
-    """Apply every child of ``body`` in order, owned by it; stop at the first error."""
-    for manifest in mf.children(body.meta.name or "", body.meta.namespace or "", spec):
-        kopf.adopt(manifest, owner=body)
+    """Apply every child of ``body`` (a ServingPolicy) in order, owned by it; stop at the
+    first error."""
+    meta = body["metadata"]
+    for manifest in mf.children(meta["name"], meta["namespace"], spec):
+        kopf.adopt(manifest, owner=body)  # type: ignore[arg-type]  # any owner mapping
         outcome = await apply_child(api, manifest)
         if outcome != "unchanged":
             logger.info(f"{outcome} {manifest['kind']} {manifest['metadata']['name']}")
@@ -243,10 +270,9 @@ async def reconcile(
     event and fails the handler permanently; the timer only records it in the status.
     """
     runtime: Runtime = memo["runtime"]
-    # The change handlers and the timer of one object share its memo; one at a time, so
-    # the second sees the first's writes and makes none of its own.
-    lock: asyncio.Lock = memo.setdefault("lock", asyncio.Lock())
-    async with lock:
+    # One pass at a time per object, so the second sees the first's writes and makes none
+    # of its own.
+    async with runtime.lock(body.meta.namespace or "", body.meta.name or ""):
         await _reconcile_locked(runtime, body, spec, status, patch, memo, logger, strict)
 
 
@@ -302,6 +328,43 @@ async def _reconcile_locked(
         raise kopf.PermanentError(f"spec not applied ({reason}): {error}")
 
 
+def owner_snapshot(body: Mapping[str, Any]) -> dict[str, Any]:
+    """What a repair needs of a ServingPolicy: identity, labels, deletion mark and spec."""
+    meta = body["metadata"]
+    return copy.deepcopy(
+        {
+            "apiVersion": body["apiVersion"],
+            "kind": body["kind"],
+            "metadata": {
+                key: meta[key]
+                for key in ("name", "namespace", "uid", "labels", "deletionTimestamp")
+                if key in meta
+            },
+            "spec": dict(body.get("spec") or {}),
+        }
+    )
+
+
+async def repair_deleted_child(
+    runtime: Runtime, owners: list[dict[str, Any]], logger: logging.Logger | Any
+) -> None:
+    """Re-apply the children of the live owners of a deleted child (see the module doc)."""
+    for owner in owners:
+        meta = owner["metadata"]
+        if meta.get("deletionTimestamp"):
+            continue  # the owner is going away; its children go with it
+        try:
+            spec = parse_spec(owner["spec"])
+        except SpecError:
+            continue  # nothing valid to restore; the timer reports the spec
+        async with runtime.lock(meta["namespace"], meta["name"]):
+            try:
+                await apply_children(runtime.api, owner, spec, logger)
+            except ApiError as problem:
+                # Event handlers are not retried; the timer's next pass is.
+                logger.warning(f"repair of {meta['name']} failed, the timer retries: {problem}")
+
+
 def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
     """Register the ServingPolicy handlers on ``registry`` with ``config``."""
 
@@ -341,6 +404,37 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
         await reconcile(
             body=body, spec=spec, status=status, patch=patch, memo=memo, logger=logger, strict=True
         )
+
+    # The id is the name of the kwarg that hands the index to handlers.
+    @kopf.index(GROUP, VERSION, PLURAL, id="servingpolicy_owners", registry=registry)
+    def servingpolicy_owners(
+        body: kopf.Body, name: str, namespace: str, **_: Any
+    ) -> dict[tuple[str, str], dict[str, Any]]:
+        return {(namespace, name): owner_snapshot(body)}
+
+    for group, version, plural in CHILD_KINDS:
+
+        @kopf.on.event(
+            group,
+            version,
+            plural,
+            id=f"recreate_deleted_{plural}",
+            labels={MANAGED_BY_LABEL: mf.MANAGED_BY, mf.POLICY_LABEL: kopf.PRESENT},
+            registry=registry,
+        )
+        async def recreate_deleted_child(
+            event: kopf.RawEvent,
+            labels: kopf.Labels,
+            namespace: str,
+            memo: kopf.Memo,
+            logger: logging.Logger,
+            servingpolicy_owners: kopf.Index[tuple[str, str], dict[str, Any]],
+            **_: Any,
+        ) -> None:
+            if event["type"] != "DELETED":
+                return
+            owners = list(servingpolicy_owners.get((namespace, labels[mf.POLICY_LABEL]), []))
+            await repair_deleted_child(memo["runtime"], owners, logger)
 
     @kopf.timer(GROUP, VERSION, PLURAL, interval=config.status_interval, registry=registry)
     async def repair_and_report(

@@ -20,7 +20,7 @@ import json
 from typing import Any
 
 from arc_operator import GROUP
-from arc_operator.models import ServingPolicySpec, SwitchMode
+from arc_operator.models import API_KEY_ENV, ServingPolicySpec, SwitchMode
 
 CONTAINER = "vllm"
 PORT = 8000
@@ -35,6 +35,35 @@ POLICY_ENV = "ARC_EVICTOR_POLICY"
 # fresh at every pod start as vLLM wants.
 METRICS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 METRICS_DIR = "/var/run/arc-evictor/prometheus"
+# The serving images' user (images/vllm.Dockerfile, vllm-cpu.Dockerfile): uid and gid 10001.
+RUN_AS = 10001
+# The root filesystem is read-only. vLLM writes its caches under HOME (torch.compile, triton,
+# model info and usage stats under ~/.cache/vllm, ~/.config/vllm, ~/.triton; Hugging Face
+# downloads under ~/.cache/huggingface, the images' HF_HOME) and IPC sockets, lock files and
+# scratch files under TMPDIR; both are emptyDirs. HOME is the images' home directory, so model
+# files baked into an image must live elsewhere (the emptyDir hides what the image has there).
+HOME_DIR = "/home/vllm"
+# The pod's own emptyDir, mounted there: nothing else shares it (bandit's B108 is about shared
+# /tmp on a host).
+TMP_DIR = "/tmp"  # nosec B108
+# Every variable that decides where those files go, set explicitly so that an image's own ENV
+# (another base image, another user) cannot point vLLM at the read-only root.
+WRITABLE_DIRS_ENV = {
+    "HOME": HOME_DIR,
+    "XDG_CACHE_HOME": f"{HOME_DIR}/.cache",
+    "XDG_CONFIG_HOME": f"{HOME_DIR}/.config",
+    "TMPDIR": TMP_DIR,
+}
+# emptyDir caps (kubelet evicts a pod that exceeds one). HOME has none: a model downloaded from
+# the Hub lands there and its size is the model's. Canonical quantity forms, so the API server
+# stores them unchanged and reconciliation sees no drift.
+TMP_SIZE_LIMIT = "2Gi"
+METRICS_SIZE_LIMIT = "256Mi"
+# vLLM's processes exchange tensors and messages here: the pod's memory-backed emptyDir.
+SHM_DIR = "/dev/shm"  # nosec B108
+# vLLM listens on every pod address: the Service, the probes and the operator's scrapes reach it
+# there; the chart's NetworkPolicy limits who may connect (bandit's B104).
+LISTEN_ALL = "0.0.0.0"  # nosec B104
 GPU_RESOURCE = "nvidia.com/gpu"
 POLICY_LABEL = f"{GROUP}/servingpolicy"
 ENGINE_NAME = "arc-serving-engine"
@@ -98,7 +127,7 @@ def engine_args(spec: ServingPolicySpec) -> list[str]:
     """vLLM's command-line arguments: the owned ones from the spec, then engineArgs."""
     args = [
         "--host",
-        "0.0.0.0",
+        LISTEN_ALL,
         "--port",
         str(PORT),
         "--model",
@@ -117,6 +146,11 @@ def engine_args(spec: ServingPolicySpec) -> list[str]:
 
 
 def _resources(spec: ServingPolicySpec) -> dict[str, Any]:
+    """Requests equal limits (Guaranteed QoS for what the spec sizes).
+
+    An unset cpu or memory sets neither request nor limit, so the namespace's LimitRange
+    defaults apply; the chart's default ServingPolicy sets both.
+    """
     requests: dict[str, str] = {}
     limits: dict[str, str] = {}
     if spec.resources.cpu is not None:
@@ -149,6 +183,12 @@ def _env(spec: ServingPolicySpec) -> list[dict[str, Any]]:
         else {"name": POLICY_ENV, "value": spec.policy_name}
     )
     owned = [policy, {"name": METRICS_DIR_ENV, "value": METRICS_DIR}]
+    if spec.api_key_secret_ref is not None:
+        # The kubelet resolves the reference at container start: the key is never in the
+        # pod spec, the args or a ConfigMap, and the operator needs no access to Secrets.
+        ref = spec.api_key_secret_ref
+        secret = {"secretKeyRef": {"name": ref.name, "key": ref.key, "optional": False}}
+        owned.append({"name": API_KEY_ENV, "valueFrom": secret})
     return owned + [var.model_dump(by_alias=True, exclude_none=True) for var in spec.env]
 
 
@@ -165,16 +205,26 @@ def pod_template(name: str, spec: ServingPolicySpec) -> dict[str, Any]:
         "image": spec.image,
         "command": ["python3", "-m", "vllm.entrypoints.openai.api_server"],
         "args": engine_args(spec),
-        "env": _env(spec),
+        "env": [
+            *({"name": key, "value": value} for key, value in WRITABLE_DIRS_ENV.items()),
+            *_env(spec),
+        ],
         "ports": [{"name": PORT_NAME, "containerPort": PORT, "protocol": "TCP"}],
         # Loading a model can take minutes: the startup probe holds off liveness until then.
         "startupProbe": _probe(period=10, failures=90),
         "readinessProbe": _probe(period=5, failures=3),
         "livenessProbe": _probe(period=10, failures=3),
         "resources": _resources(spec),
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]},
+        },
         "volumeMounts": [
             *policy_mounts,
-            {"name": "dshm", "mountPath": "/dev/shm"},
+            {"name": "home", "mountPath": HOME_DIR},
+            {"name": "tmp", "mountPath": TMP_DIR},
+            {"name": "dshm", "mountPath": SHM_DIR},
             {"name": "prometheus", "mountPath": METRICS_DIR},
         ],
     }
@@ -183,11 +233,24 @@ def pod_template(name: str, spec: ServingPolicySpec) -> dict[str, Any]:
         "spec": {
             # Service links would inject VLLM_PORT-style variables that vLLM misreads.
             "enableServiceLinks": False,
+            # vLLM never calls the Kubernetes API: no token in the pod to steal.
+            "automountServiceAccountToken": False,
+            "securityContext": {
+                "runAsNonRoot": True,
+                "runAsUser": RUN_AS,
+                "runAsGroup": RUN_AS,
+                # emptyDirs and projected files group-owned by the serving user.
+                "fsGroup": RUN_AS,
+                "seccompProfile": {"type": "RuntimeDefault"},
+            },
             "containers": [container],
             "volumes": [
                 *policy_volumes,
+                {"name": "home", "emptyDir": {}},
+                {"name": "tmp", "emptyDir": {"sizeLimit": TMP_SIZE_LIMIT}},
+                # vLLM's processes exchange tensors and messages through shared memory.
                 {"name": "dshm", "emptyDir": {"medium": "Memory"}},
-                {"name": "prometheus", "emptyDir": {}},
+                {"name": "prometheus", "emptyDir": {"sizeLimit": METRICS_SIZE_LIMIT}},
             ],
         },
     }

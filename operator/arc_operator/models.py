@@ -8,10 +8,19 @@ everything they need is in the spec itself, so a test can build them from plain 
 from __future__ import annotations
 
 import enum
+import json
+import math
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic.alias_generators import to_camel
 
 from arc_evictor.policies import policy_names
@@ -42,6 +51,9 @@ OWNED_ENGINE_ARGS = frozenset(
         "--num-gpu-blocks-override",
         "--gpu-memory-utilization",
         "--max-model-len",
+        # The API key comes from a Secret through VLLM_API_KEY: on the command line it would be
+        # readable by anyone who can list processes (/proc/PID/cmdline, ps) or read the pod spec.
+        "--api-key",
     }
 )
 # Kubernetes' quantity syntax (k8s.io/apimachinery resource.Quantity), without a sign: a
@@ -50,8 +62,22 @@ QUANTITY_PATTERN = (
     r"^\+?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))"
     r"(([KMGTPE]i)|[numkMGTPE]|([eE][+-]?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
 )
+# The variable vLLM reads its API key from (vllm.envs); the operator fills it from the Secret
+# that apiKeySecretRef names, so env may not set it.
+API_KEY_ENV = "VLLM_API_KEY"
+# Where vLLM, Hugging Face, torch and triton write (home, caches, temp files): the operator
+# points them at the pod's emptyDirs, since the root filesystem is read-only.
+WRITABLE_DIR_ENV = frozenset({"HOME", "TMPDIR", "XDG_CACHE_HOME", "XDG_CONFIG_HOME"})
 # Environment variables the operator sets itself; env may not override them.
-OWNED_ENV = frozenset({"ARC_EVICTOR_CONFIG", "ARC_EVICTOR_POLICY", "PROMETHEUS_MULTIPROC_DIR"})
+OWNED_ENV = (
+    frozenset({"ARC_EVICTOR_CONFIG", "ARC_EVICTOR_POLICY", "PROMETHEUS_MULTIPROC_DIR", API_KEY_ENV})
+    | WRITABLE_DIR_ENV
+)
+# A Secret's name is a DNS subdomain (RFC 1123): lower-case labels joined by dots.
+DNS_SUBDOMAIN_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+# A Secret data key (Kubernetes' IsConfigMapKey); "." and ".." are refused by the validator.
+SECRET_KEY_PATTERN = r"^[-._a-zA-Z0-9]+$"
+DEFAULT_API_KEY_KEY = "api-key"
 # vLLM's GPU block tables are built for block sizes that are multiples of 16 tokens.
 BLOCK_SIZE_MULTIPLE = 16
 
@@ -156,6 +182,75 @@ class EnvVar(_Frozen):
         default=None, description="A Kubernetes EnvVarSource (secretKeyRef, ...)."
     )
 
+    @model_validator(mode="after")
+    def _source_shape(self) -> EnvVar:
+        # valueFrom is free-form in the CRD (preserved fields), so its shape is checked here:
+        # otherwise a typo passes validation and the Deployment is refused at every reconcile.
+        if self.value_from is None:
+            return self
+        if self.value is not None:
+            raise ValueError(f"env {self.name!r}: set value or valueFrom, not both")
+        sources = sorted(self.value_from)
+        if len(sources) != 1 or sources[0] not in ENV_SOURCES:
+            raise ValueError(
+                f"env {self.name!r}: valueFrom needs exactly one of {', '.join(ENV_SOURCES)}, "
+                f"got {sources}"
+            )
+        source, ref = sources[0], self.value_from[sources[0]]
+        required, optional = ENV_SOURCES[source]
+        fields = {**required, **optional}
+        if not isinstance(ref, dict) or not set(required) <= set(ref) <= set(fields):
+            raise ValueError(
+                f"env {self.name!r}: valueFrom.{source} needs {', '.join(required)} "
+                f"(may have {', '.join(optional)})"
+            )
+        for key, value in ref.items():
+            if not isinstance(value, fields[key]) or (fields[key] is str and not value):
+                raise ValueError(f"env {self.name!r}: valueFrom.{source}.{key} has a wrong type")
+        return self
+
+
+# Kubernetes' EnvVarSource (core/v1, 1.33): source -> (required fields, optional fields) with
+# their JSON types (a resource divisor is a quantity: a string or a number).
+ENV_SOURCES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
+    "configMapKeyRef": ({"key": str}, {"name": str, "optional": bool}),
+    "fieldRef": ({"fieldPath": str}, {"apiVersion": str}),
+    "resourceFieldRef": ({"resource": str}, {"containerName": str, "divisor": str | int}),
+    "secretKeyRef": ({"key": str}, {"name": str, "optional": bool}),
+}
+
+
+class SecretKeyRef(_Frozen):
+    """A key of a Secret in the ServingPolicy's namespace.
+
+    The operator never reads the Secret (it has no RBAC on Secrets): the pod's env names it
+    with ``secretKeyRef`` and the kubelet resolves it when the container starts.
+    """
+
+    name: str = Field(
+        max_length=253, pattern=DNS_SUBDOMAIN_PATTERN, description="Name of the Secret."
+    )
+    key: str = Field(
+        default=DEFAULT_API_KEY_KEY,
+        max_length=253,
+        pattern=SECRET_KEY_PATTERN,
+        description="Data key in the Secret that holds the value.",
+    )
+
+    @field_validator("key")
+    @classmethod
+    def _not_a_path_step(cls, key: str) -> str:
+        if key in {".", ".."}:
+            raise ValueError(f"{key!r} is not a valid Secret data key")
+        return key
+
+
+# The API is closed by default: serving without a key must be asked for by name.
+API_KEY_CHOICE = (
+    "set apiKeySecretRef (the Secret holding the API key) or allowUnauthenticated: true "
+    "to serve the API without a key, exactly one of them"
+)
+
 
 class ServingPolicySpec(_Frozen):
     """The desired state of one vLLM serving deployment and its eviction policy.
@@ -163,7 +258,8 @@ class ServingPolicySpec(_Frozen):
     Invariants (checked here, so every consumer sees them): exactly one cache size;
     with numBlocks, one full-length request fits in the cache (numBlocks * blockSize >=
     maxModelLen), otherwise the pod could never serve a long prompt; engineArgs and env
-    do not touch the arguments and variables the operator owns.
+    do not touch the arguments and variables the operator owns; the API is closed by
+    default: exactly one of apiKeySecretRef or ``allowUnauthenticated: true`` is set.
     """
 
     plural: ClassVar[str] = PLURAL
@@ -177,14 +273,20 @@ class ServingPolicySpec(_Frozen):
                     "self.cache.numBlocks * self.cache.blockSize >= self.maxModelLen",
                     "message": "cache.numBlocks * cache.blockSize must be at least maxModelLen "
                     "(one full-length request must fit in the cache)",
-                }
+                },
+                {
+                    "rule": "has(self.apiKeySecretRef) != "
+                    "(has(self.allowUnauthenticated) && self.allowUnauthenticated)",
+                    "message": API_KEY_CHOICE,
+                },
             ]
         }
     )
 
     model: ModelSource = Field(description="The model the pods serve.")
     image: str = Field(min_length=1, description="vLLM image with the arc-evictor plugin.")
-    replicas: int = Field(default=1, ge=0, description="Number of vLLM pods.")
+    # The Deployment field is an int32.
+    replicas: int = Field(default=1, ge=0, le=2**31 - 1, description="Number of vLLM pods.")
     policy: Policy = Field(default=Policy("LRU"), description="Prefix-cache eviction policy.")
     switch_mode: SwitchMode = Field(
         default=SwitchMode.HOT,
@@ -201,6 +303,16 @@ class ServingPolicySpec(_Frozen):
     env: list[EnvVar] = Field(
         default_factory=list, description="Extra environment variables for the vLLM container."
     )
+    api_key_secret_ref: SecretKeyRef | None = Field(
+        default=None,
+        description="Secret key holding the API key clients must send as 'Authorization: "
+        "Bearer KEY' on /v1 (the pods read it from env VLLM_API_KEY at start).",
+    )
+    allow_unauthenticated: bool = Field(
+        default=False,
+        description="Serve /v1 without an API key: anyone who reaches the Service can use "
+        "the model. Required (true) when apiKeySecretRef is not set.",
+    )
 
     @model_validator(mode="after")
     def _servable(self) -> ServingPolicySpec:
@@ -214,6 +326,12 @@ class ServingPolicySpec(_Frozen):
                 f"numBlocks*blockSize={self.cache.num_blocks * self.cache.block_size} tokens"
             )
         owned_args = sorted({flag for arg in self.engine_args if (flag := _owned_flag(arg))})
+        if "--api-key" in owned_args:
+            owned_args.remove("--api-key")
+            problems.append(
+                "engineArgs may not set --api-key (the command line is visible in the process "
+                "list; name the key's Secret in apiKeySecretRef)"
+            )
         if owned_args:
             problems.append(
                 f"engineArgs may not set {', '.join(owned_args)} (set by the operator from spec)"
@@ -221,6 +339,13 @@ class ServingPolicySpec(_Frozen):
         owned_env = sorted({var.name for var in self.env} & OWNED_ENV)
         if owned_env:
             problems.append(f"env may not set {', '.join(owned_env)} (set by the operator)")
+        if self.api_key_secret_ref is None and not self.allow_unauthenticated:
+            problems.append(
+                "apiKeySecretRef is required (the API is closed by default): name the Secret "
+                "holding the API key, or set allowUnauthenticated: true to serve without one"
+            )
+        elif self.api_key_secret_ref is not None and self.allow_unauthenticated:
+            problems.append("set apiKeySecretRef or allowUnauthenticated: true, not both")
         if problems:
             raise ValueError("; ".join(problems))
         return self
@@ -296,10 +421,55 @@ def _describe(error: ValidationError) -> str:
     return "; ".join(lines)
 
 
+# The API server keeps integers as int64; a larger one is refused before the operator sees it.
+INT64 = (-(2**63), 2**63 - 1)
+
+
+def _not_json(value: Any, path: str) -> list[str]:
+    """Problems, by path, of values the API server cannot hold: integers beyond int64,
+    NaN and infinities, and anything that is not JSON data."""
+    if isinstance(value, Mapping):
+        return [bad for key, item in value.items() for bad in _not_json(item, f"{path}.{key}")]
+    if isinstance(value, list):
+        return [bad for i, item in enumerate(value) for bad in _not_json(item, f"{path}.{i}")]
+    if isinstance(value, bool) or value is None or isinstance(value, str):
+        return []
+    if isinstance(value, int):
+        return [] if INT64[0] <= value <= INT64[1] else [f"{path}: integer out of the int64 range"]
+    if isinstance(value, float):
+        return [] if math.isfinite(value) else [f"{path}: {value} is not a JSON number"]
+    return [f"{path}: a {type(value).__name__} is not JSON data"]
+
+
+def _without_nulls(value: Any) -> Any:
+    """``value`` with null object fields dropped, as the API server prunes them (a CRD schema
+    without ``nullable``): ``replicas: null`` means the default, as it does in the cluster."""
+    if isinstance(value, Mapping):
+        return {key: _without_nulls(item) for key, item in value.items() if item is not None}
+    if isinstance(value, list):
+        return [_without_nulls(item) for item in value]
+    return value
+
+
 def parse_spec(spec: Mapping[str, Any]) -> ServingPolicySpec:
-    """Validate a raw spec; raise SpecError naming every problem (nothing else is raised)."""
+    """Validate a raw spec; raise SpecError naming every problem (nothing else is raised).
+
+    Validation is strict and as JSON, the way the API server checks the CRD schema: ``"3"`` is
+    not an integer, ``true`` is not 1 and ``"true"`` is not a boolean (pydantic's lax mode
+    would coerce all three, accepting specs the API server refuses). Unknown fields are refused
+    by name, where the API server would drop them silently.
+    """
+    if not isinstance(spec, Mapping):
+        raise SpecError(f"spec: expected an object, got {type(spec).__name__}")
+    problems = _not_json(spec, "spec")
+    if problems:
+        raise SpecError("; ".join(problems))
     try:
-        return ServingPolicySpec.model_validate(dict(spec))
+        text = json.dumps(_without_nulls(spec), allow_nan=False)
+    except (TypeError, ValueError) as error:  # a key that is not a string
+        raise SpecError(f"spec: not JSON data ({error})") from None
+    try:
+        return ServingPolicySpec.model_validate_json(text, strict=True)
     except ValidationError as error:
         raise SpecError(_describe(error)) from None
 

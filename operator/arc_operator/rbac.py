@@ -1,7 +1,8 @@
 """The operator's RBAC rules: the one list the Helm chart's ClusterRole uses.
 
 Least privilege: the operator lists, watches and patches ServingPolicies (kopf's annotations and
-the status subresource), gets/creates/patches its three kinds of children, lists pods to
+the status subresource), gets/creates/patches its three kinds of children and lists/watches
+them (to recreate one deleted behind its back at once), lists pods to
 scrape their /metrics, and creates events. It never deletes: children are owned by their
 ServingPolicy, so Kubernetes' garbage collector removes them. kopf runs standalone with
 CRD scanning off, so it needs no peering objects and no CRD access.
@@ -23,11 +24,15 @@ from arc_operator import GROUP, PLURAL
 RULES: list[dict[str, Any]] = [
     {"apiGroups": [GROUP], "resources": [PLURAL], "verbs": ["list", "watch", "patch"]},
     {"apiGroups": [GROUP], "resources": [f"{PLURAL}/status"], "verbs": ["patch"]},
-    {"apiGroups": ["apps"], "resources": ["deployments"], "verbs": ["get", "create", "patch"]},
+    {
+        "apiGroups": ["apps"],
+        "resources": ["deployments"],
+        "verbs": ["get", "list", "watch", "create", "patch"],
+    },
     {
         "apiGroups": [""],
         "resources": ["services", "configmaps"],
-        "verbs": ["get", "create", "patch"],
+        "verbs": ["get", "list", "watch", "create", "patch"],
     },
     {"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]},
     {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},

@@ -33,6 +33,14 @@ TRACE = "loadtest.trace"
             {"servingPolicy.replicas": "-1"}, "/servingPolicy/replicas", id="negative-replicas"
         ),
         pytest.param(
+            {"servingPolicy.replicas": "2147483648"},
+            "/servingPolicy/replicas",
+            id="replicas-beyond-int32",
+        ),
+        # helm drops a section set to null; "required" turns that into a schema error
+        # instead of a nil pointer in a template.
+        pytest.param({"dashboards": "null"}, "missing property 'dashboards'", id="null-section"),
+        pytest.param(
             {"servingPolicy.switchMode": "Live"}, "/servingPolicy/switchMode", id="switch-mode"
         ),
         pytest.param(
@@ -202,9 +210,16 @@ def test_every_value_is_documented_with_a_param_line() -> None:
         "loadtest.podSecurityContext",
         "loadtest.containerSecurityContext",
         "cleanup.resources",
+        "tests.resources",
         "ingress.annotations",
         "dashboards.labels",
         "dashboards.annotations",
+        # LabelSelectors and peer lists, documented by what they select.
+        "networkPolicy.ingressController.namespaceSelector",
+        "networkPolicy.ingressController.podSelector",
+        "networkPolicy.prometheus.namespaceSelector",
+        "networkPolicy.prometheus.podSelector",
+        "networkPolicy.dns.peers",
     }
     expected = {
         path

@@ -37,7 +37,9 @@ def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
 @pytest.fixture
 def session(server: VllmServer) -> demo.ServerSession:
     policy_file = Path(server.extra_env["ARC_EVICTOR_CONFIG"])
-    return demo.ServerSession(server.base_url, server.served_model_name, policy_file)
+    return demo.ServerSession(
+        server.base_url, server.served_model_name, policy_file, server.api_key
+    )
 
 
 PROMPT = [5 + i % 900 for i in range(4 * demo.BLOCK_TOKENS + 5)]  # 4 full blocks + 5 tokens

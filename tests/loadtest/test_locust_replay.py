@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import requests
@@ -14,7 +15,7 @@ from arc_evictor.tinymodel import build_tiny_llama
 from arc_evictor.vllm_server import VllmServer
 from loadtest.replay import ServerClient
 from loadtest.report import CacheCounters, parse_counters
-from loadtest.run import run_replay
+from loadtest.run import ReplayRun, run_replay
 from loadtest.tokens import vocabulary_from_server, vocabulary_from_tokenizer
 
 pytestmark = [pytest.mark.vllm, pytest.mark.locust, pytest.mark.slow]
@@ -34,6 +35,11 @@ def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         yield srv
 
 
+def replay(server: VllmServer, trace: Path, **options: Any) -> ReplayRun:
+    """``run_replay`` against ``server``, with its API key."""
+    return run_replay(server.base_url, trace, api_key=server.api_key, **options)
+
+
 def counters(server: VllmServer) -> CacheCounters:
     response = requests.get(server.base_url + "/metrics", timeout=30)
     response.raise_for_status()
@@ -50,8 +56,8 @@ def test_replay_answers_every_request_as_the_trace_says(
     records = conversation_records(sessions=3, turns=3, block_tokens=BLOCK_TOKENS)
     trace = write_lines(tmp_path / "conversation.jsonl", records)
     before = counters(server)
-    run = run_replay(server.base_url, trace, out_dir=tmp_path / "out", run_time_s=120,
-                     block_tokens=BLOCK_TOKENS, time_scale=0.5, tokenizer=model_dir)  # fmt: skip
+    run = replay(server, trace, out_dir=tmp_path / "out", run_time_s=120,
+                 block_tokens=BLOCK_TOKENS, time_scale=0.5, tokenizer=model_dir)  # fmt: skip
     after = counters(server)
     assert run.exit_code == 0, run.log[-3000:]
     rows = {r["index"]: r for r in read_rows(run.results)}
@@ -80,8 +86,8 @@ def test_session_turns_are_sent_after_the_previous_answer(
     # Turns 0.01 s apart in the trace: far less than an answer takes, so turns are held.
     records = conversation_records(sessions=2, turns=3, spacing_s=0.01)
     trace = write_lines(tmp_path / "fast.jsonl", records)
-    run = run_replay(server.base_url, trace, out_dir=tmp_path / "out", run_time_s=120,
-                     block_tokens=BLOCK_TOKENS, tokenizer=model_dir)  # fmt: skip
+    run = replay(server, trace, out_dir=tmp_path / "out", run_time_s=120,
+                 block_tokens=BLOCK_TOKENS, tokenizer=model_dir)  # fmt: skip
     assert run.exit_code == 0, run.log[-3000:]
     rows = {r["index"]: r for r in read_rows(run.results)}
     chat_to_index = {record["chat_id"]: i for i, record in enumerate(records)}
@@ -98,8 +104,8 @@ def test_master_and_two_workers_replay_each_request_once(
 ) -> None:
     records = conversation_records(sessions=4, turns=2, block_tokens=BLOCK_TOKENS)
     trace = write_lines(tmp_path / "conversation.jsonl", records)
-    run = run_replay(server.base_url, trace, out_dir=tmp_path / "out", run_time_s=120,
-                     block_tokens=BLOCK_TOKENS, time_scale=0.5, workers=2)  # fmt: skip
+    run = replay(server, trace, out_dir=tmp_path / "out", run_time_s=120,
+                 block_tokens=BLOCK_TOKENS, time_scale=0.5, workers=2)  # fmt: skip
     assert run.exit_code == 0, run.log[-3000:]
     rows = read_rows(run.results)
     assert sorted(r["index"] for r in rows) == list(range(len(records)))
@@ -120,8 +126,8 @@ def test_malformed_trace_stops_the_run_before_any_request(
     trace = tmp_path / "broken.jsonl"
     trace.write_text("\n".join(lines) + "\n")
     before = counters(server)
-    run = run_replay(server.base_url, trace, out_dir=tmp_path / "out", run_time_s=60,
-                     block_tokens=BLOCK_TOKENS)  # fmt: skip
+    run = replay(server, trace, out_dir=tmp_path / "out", run_time_s=60,
+                 block_tokens=BLOCK_TOKENS)  # fmt: skip
     assert run.exit_code == 2
     assert f"{trace}:2: missing field 'input_length'" in run.log
     assert run.summary is None and not run.results.exists()
@@ -129,7 +135,7 @@ def test_malformed_trace_stops_the_run_before_any_request(
 
 
 def test_server_vocabulary_matches_the_tokenizer_size(server: VllmServer, model_dir: Path) -> None:
-    client = ServerClient(server.base_url)
+    client = ServerClient(server.base_url, api_key=server.api_key or "")
     try:
         from_server = vocabulary_from_server(client, client.served_model())
         bos = client.post_json("/tokenize", {"prompt": "a", "add_special_tokens": True})[1]
@@ -150,8 +156,8 @@ def test_a_failed_request_makes_the_exit_code_non_zero(
         {"timestamp": 10, "input_length": 2240, "output_length": 2, "hash_ids": list(range(70))},
     ]
     trace = write_lines(tmp_path / "too_long.jsonl", records)
-    run = run_replay(server.base_url, trace, out_dir=tmp_path / "out", run_time_s=60,
-                     block_tokens=BLOCK_TOKENS, time_scale=0.01, tokenizer=model_dir)  # fmt: skip
+    run = replay(server, trace, out_dir=tmp_path / "out", run_time_s=60,
+                 block_tokens=BLOCK_TOKENS, time_scale=0.01, tokenizer=model_dir)  # fmt: skip
     assert run.exit_code == 1, run.log[-3000:]
     rows = {r["index"]: r for r in read_rows(run.results)}
     assert rows[0]["ok"] and not rows[1]["ok"]

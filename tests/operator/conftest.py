@@ -45,6 +45,8 @@ def make_spec(**overrides: Any) -> dict[str, Any]:
         "cache": {"blockSize": 16, "numBlocks": 512},
         "maxModelLen": 4096,
         "resources": {"gpus": 1, "cpu": "4", "memory": "16Gi"},
+        # The API is closed by default: every valid spec names its key's Secret.
+        "apiKeySecretRef": {"name": "qwen-api-key"},
     }
     spec.update(overrides)
     return spec

@@ -48,6 +48,19 @@ def test_valid_spec_parses_with_defaults() -> None:
         ({"env": [{"name": "ARC_EVICTOR_POLICY", "value": "lru"}]}, "env may not set"),
         ({"env": [{"name": "PROMETHEUS_MULTIPROC_DIR", "value": "/x"}]}, "env may not set"),
         ({"color": "blue"}, "spec.color: Extra inputs are not permitted"),
+        # The API key: only from a Secret, never as a literal in env or on the command line.
+        ({"env": [{"name": "VLLM_API_KEY", "value": "k"}]}, "env may not set VLLM_API_KEY"),
+        ({"engineArgs": ["--api-key", "k"]}, "engineArgs may not set --api-key"),
+        ({"engineArgs": ["--api_key=k"]}, "engineArgs may not set --api-key"),
+        ({"apiKeySecretRef": None}, "apiKeySecretRef is required"),
+        (
+            {"apiKeySecretRef": {"name": "k"}, "allowUnauthenticated": True},
+            "set apiKeySecretRef or allowUnauthenticated: true, not both",
+        ),
+        ({"apiKeySecretRef": {"name": "Bad_Name"}}, "spec.apiKeySecretRef.name: String should"),
+        ({"apiKeySecretRef": {"name": "k", "key": "a/b"}}, "spec.apiKeySecretRef.key: String"),
+        ({"apiKeySecretRef": {"name": "k", "key": ".."}}, "'..' is not a valid Secret data key"),
+        ({"apiKeySecretRef": {"key": "api-key"}}, "spec.apiKeySecretRef.name: Field required"),
     ],
 )
 def test_invalid_spec_is_rejected_naming_the_problem(changes: dict, problem: str) -> None:
@@ -159,19 +172,14 @@ def test_deployment_args_follow_the_spec() -> None:
         "--num-gpu-blocks-override", "512", "--max-model-len", "4096",
         "--max-num-seqs", "8",
     ]  # fmt: skip
-    assert container["env"][0] == {
-        "name": "ARC_EVICTOR_CONFIG",
-        "value": "/etc/arc-evictor/policy.json",
-    }
+    env = {var["name"]: var.get("value") for var in container["env"]}
+    assert env["ARC_EVICTOR_CONFIG"] == "/etc/arc-evictor/policy.json"
     # The plugin's metrics leave the engine-core process through multiprocess files.
-    assert container["env"][1] == {
-        "name": "PROMETHEUS_MULTIPROC_DIR",
-        "value": "/var/run/arc-evictor/prometheus",
-    }
+    assert env["PROMETHEUS_MULTIPROC_DIR"] == "/var/run/arc-evictor/prometheus"
     mounts = {mount["name"]: mount["mountPath"] for mount in container["volumeMounts"]}
     volumes = {volume["name"]: volume for volume in template["spec"]["volumes"]}
     assert mounts["prometheus"] == "/var/run/arc-evictor/prometheus"
-    assert volumes["prometheus"] == {"name": "prometheus", "emptyDir": {}}
+    assert volumes["prometheus"]["emptyDir"] == {"sizeLimit": "256Mi"}
     assert container["resources"]["limits"]["nvidia.com/gpu"] == "1"
     assert container["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
 
@@ -209,3 +217,33 @@ def test_operator_settings_name_the_bad_variable() -> None:
     assert OperatorConfig.from_env({}).metrics_port == 8000
     with pytest.raises(SpecError, match="ARC_OPERATOR_STATUS_INTERVAL='-1'"):
         OperatorConfig.from_env({"ARC_OPERATOR_STATUS_INTERVAL": "-1"})
+
+
+def engine_container(spec: dict) -> dict:
+    (container,) = manifests.pod_template("demo", parse_spec(spec))["spec"]["containers"]
+    return container
+
+
+def test_api_key_reaches_the_pod_only_through_a_secret_key_ref() -> None:
+    container = engine_container(make_spec(apiKeySecretRef={"name": "demo-keys"}))
+    (key_var,) = [var for var in container["env"] if var["name"] == "VLLM_API_KEY"]
+    # key defaults to "api-key"; a missing Secret fails the pod's start instead of opening it.
+    assert key_var == {
+        "name": "VLLM_API_KEY",
+        "valueFrom": {"secretKeyRef": {"name": "demo-keys", "key": "api-key", "optional": False}},
+    }
+    assert not any("api-key" in arg or "api_key" in arg for arg in container["args"])
+
+
+def test_opting_out_of_authentication_is_explicit_and_sets_no_key() -> None:
+    spec = make_spec(allowUnauthenticated=True)
+    del spec["apiKeySecretRef"]
+    assert parse_spec(spec).allow_unauthenticated
+    names = [var["name"] for var in engine_container(spec)["env"]]
+    assert "VLLM_API_KEY" not in names
+
+
+def test_api_key_ref_is_in_no_configmap() -> None:
+    spec = parse_spec(make_spec(apiKeySecretRef={"name": "demo-keys", "key": "k1"}))
+    (configmap,) = [c for c in manifests.children("demo", "ns", spec) if c["kind"] == "ConfigMap"]
+    assert "demo-keys" not in str(configmap) and "VLLM_API_KEY" not in str(configmap)

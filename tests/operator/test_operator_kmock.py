@@ -368,6 +368,14 @@ async def test_operator_requests_stay_within_its_rbac_rules(cluster, operator, p
     )
     await edit_spec(cluster, "demo", 3, replicas=-1)
     await eventually(lambda: condition(cluster, "demo", "Valid").get("status") == "False")
+    # The Warning event is posted after the status patch; wait for it, not for the status.
+    await eventually(
+        lambda: any(
+            "involvedObject" in dict(obj.raw) and dict(obj.raw).get("type") == "Warning"
+            for obj in cluster.objects.values()
+            if not obj.deleted
+        )
+    )
     used = set()
     for request in list(cluster):
         if (
@@ -392,3 +400,39 @@ async def test_operator_requests_stay_within_its_rbac_rules(cluster, operator, p
     }
     # Every granted permission is exercised, so the list holds nothing superfluous.
     assert granted - used == set()
+
+
+async def test_spec_without_api_key_or_opt_out_is_invalid_and_creates_nothing(
+    cluster, operator
+) -> None:
+    spec = {k: v for k, v in make_spec().items() if k != "apiKeySecretRef"}
+    await create_sp(cluster, "open", spec)
+    valid = await eventually(
+        lambda: (
+            condition(cluster, "open", "Valid").get("status") == "False"
+            and condition(cluster, "open", "Valid")
+        )
+    )
+    assert valid["reason"] == "InvalidSpec"
+    assert "apiKeySecretRef is required" in valid["message"]
+    assert "allowUnauthenticated: true" in valid["message"]
+    assert stored(cluster, DEPLOYMENTS, "open") is None
+    assert stored(cluster, CONFIGMAPS, "open-policy") is None
+
+
+async def test_pods_take_the_api_key_from_the_secret_and_the_operator_never_reads_it(
+    cluster, operator
+) -> None:
+    await create_sp(cluster, "demo", make_spec(apiKeySecretRef={"name": "keys", "key": "vllm"}))
+    await eventually(lambda: stored(cluster, DEPLOYMENTS, "demo"))
+    (container,) = template_of(cluster, "demo")["spec"]["containers"]
+    (key_var,) = [var for var in container["env"] if var["name"] == "VLLM_API_KEY"]
+    assert key_var == {
+        "name": "VLLM_API_KEY",
+        "valueFrom": {"secretKeyRef": {"name": "keys", "key": "vllm", "optional": False}},
+    }
+    assert not any(arg.startswith("--api-key") for arg in container["args"])
+    # The kubelet resolves secretKeyRef; the operator has no RBAC on Secrets and asks for none.
+    assert not any(
+        getattr(request.resource, "plural", None) == "secrets" for request in list(cluster)
+    )

@@ -65,7 +65,9 @@ def complete(srv: VllmServer, tokens: list[int], max_tokens: int = 1) -> dict:
         {"model": "tiny", "prompt": tokens, "max_tokens": max_tokens, "ignore_eos": True}
     ).encode()
     req = urllib.request.Request(
-        f"{srv.base_url}/v1/completions", data=body, headers={"Content-Type": "application/json"}
+        f"{srv.base_url}/v1/completions",
+        data=body,
+        headers={"Content-Type": "application/json", **srv.auth_headers},
     )
     with urllib.request.urlopen(req, timeout=120) as resp:
         assert resp.status == 200

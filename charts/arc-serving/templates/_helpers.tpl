@@ -189,3 +189,59 @@ ServiceMonitor also carries the backing pod's labels).
 - sourceLabels: [__meta_kubernetes_pod_label_arcserving_io_servingpolicy]
   targetLabel: servingpolicy
 {{- end }}
+
+{{/*
+The Secret holding the serving API key: servingPolicy.apiKey.existingSecret, else the one the
+chart creates (api-key-secret.yaml).
+*/}}
+{{- define "arc-serving.apiKeySecretName" -}}
+{{- default (include "arc-serving.componentName" (dict "context" . "component" "api-key")) .Values.servingPolicy.apiKey.existingSecret }}
+{{- end }}
+
+{{/*
+checkov skip annotations (checkov.io/skipN: CHECK=reason) for a workload, each a check that is
+wrong for it, with the reason; reasons may not contain "=". The image checks are skipped only
+while they would fail: CKV_K8S_43 until the image is pinned by digest, CKV_K8S_15 while the
+pull policy is not Always. Call with (dict "image" .Values.operator.image "skips" (list ...)).
+*/}}
+{{- define "arc-serving.checkovSkips" -}}
+{{- $skips := .skips | default list }}
+{{- if not .image.digest }}
+{{- $skips = append $skips "CKV_K8S_43=tagged by default; set the image digest value to pin it and the chart renders repository@digest" }}
+{{- end }}
+{{- if ne (.image.pullPolicy | default "IfNotPresent") "Always" }}
+{{- $skips = append $skips "CKV_K8S_15=pinned tags and digests do not change, so IfNotPresent saves a registry round trip per start; set pullPolicy Always where nodes share cached images between tenants" }}
+{{- end }}
+{{- range $index, $skip := $skips }}
+checkov.io/skip{{ add1 $index }}: {{ $skip | quote }}
+{{- end }}
+{{- end }}
+
+{{/*
+NetworkPolicy egress rules to DNS and to the API server (networkPolicy.dns, .apiServer), for
+the pods that resolve names or call the API. Call with the root context.
+*/}}
+{{- define "arc-serving.dnsEgress" -}}
+- to:
+    {{- toYaml .Values.networkPolicy.dns.peers | nindent 4 }}
+  ports:
+    {{- range .Values.networkPolicy.dns.ports }}
+    - port: {{ . }}
+      protocol: UDP
+    - port: {{ . }}
+      protocol: TCP
+    {{- end }}
+{{- end }}
+
+{{- define "arc-serving.apiServerEgress" -}}
+- to:
+    {{- range .Values.networkPolicy.apiServer.cidrs }}
+    - ipBlock:
+        cidr: {{ . }}
+    {{- end }}
+  ports:
+    {{- range .Values.networkPolicy.apiServer.ports }}
+    - port: {{ . }}
+      protocol: TCP
+    {{- end }}
+{{- end }}

@@ -1,0 +1,136 @@
+"""Switch the eviction policy live every few seconds during a Locust replay on the real vLLM.
+
+A thread rewrites the policy file (as a ConfigMap update does: a new file swapped in) every
+``SWITCH_EVERY_S`` seconds through every policy while the replay runs. Shown: no request
+fails, the engine applies every switch written (its log and the switch counter), and no
+resident block is lost at any switch (the plugin logs, per switch, the resident blocks
+before it and how many of them the new policy holds).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import threading
+import time
+from collections.abc import Iterator
+from itertools import cycle
+from pathlib import Path
+
+import pytest
+import requests
+
+from arc_evictor.tinymodel import build_tiny_llama
+from arc_evictor.vllm_server import VllmServer
+from loadtest.run import run_replay
+from tests.faults.serving import BLOCK_TOKENS, docqa_trace, metric_sum
+
+pytestmark = [pytest.mark.vllm, pytest.mark.locust, pytest.mark.slow]
+
+# 80 requests 0.5 s apart: a 40 s replay. Ten switches 3 s apart start with the first answer
+# and end about 10 s before the trace does, so the engine is busy (and polls the file) at
+# each one: a write cannot be coalesced with the next.
+TRACE_REQUESTS, SPACING_S = 80, 0.5
+SWITCHES, SWITCH_EVERY_S = 10, 3.0
+FIRST_POLICY = "lru"
+CYCLE = ["arc", "s3fifo", "sieve", "dbl", "trio", "lru"]
+SWITCH_LINE = re.compile(
+    r"policy switch (?P<old>\S+) -> (?P<new>\S+): (?P<kept>\d+) of (?P<before>\d+) "
+    r"resident blocks kept"
+)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_llama(tmp_path_factory.mktemp("switch-model"))
+
+
+@pytest.fixture(scope="module")
+def policy_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("switch-config") / "policy.json"
+    path.write_text(json.dumps({"policy": FIRST_POLICY}))
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(
+    model_dir: Path, policy_file: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[VllmServer]:
+    log = tmp_path_factory.mktemp("switch-vllm") / "vllm.log"
+    env = {"ARC_EVICTOR_CONFIG": str(policy_file), "ARC_EVICTOR_POLL_MS": "100"}
+    # 64 cacheable blocks (+ the null block): the trace's documents do not all fit.
+    with VllmServer(
+        model_dir, block_size=BLOCK_TOKENS, num_gpu_blocks=65, env=env, log_path=log
+    ) as srv:
+        yield srv
+
+
+def write_policy(path: Path, policy: str) -> None:
+    """Replace the file in one step, as the kubelet swaps a ConfigMap volume's contents."""
+    staged = path.with_suffix(".tmp")
+    staged.write_text(json.dumps({"policy": policy}))
+    os.replace(staged, path)
+
+
+def switcher(server: VllmServer, path: Path, written: list[str], stop: threading.Event) -> None:
+    """From the first answer on, write the next policy every SWITCH_EVERY_S seconds."""
+    deadline = time.monotonic() + 120
+    while metric_sum(server, "vllm:request_success_total") < 1:
+        if stop.is_set() or time.monotonic() > deadline:
+            return
+        time.sleep(0.1)
+    for policy in cycle(CYCLE):
+        if len(written) == SWITCHES or stop.wait(SWITCH_EVERY_S):
+            return
+        write_policy(path, policy)
+        written.append(policy)
+
+
+def test_live_switches_lose_no_request_and_no_block(
+    server: VllmServer, policy_file: Path, model_dir: Path, tmp_path: Path
+) -> None:
+    trace = docqa_trace(tmp_path / "trace.jsonl", count=TRACE_REQUESTS, spacing_s=SPACING_S)
+    switches_before = metric_sum(server, "arc_evictor_policy_switches_total")
+    written: list[str] = []
+    stop = threading.Event()
+    writer = threading.Thread(
+        target=switcher, args=(server, policy_file, written, stop), daemon=True
+    )
+    writer.start()
+    try:
+        run = run_replay(server.base_url, trace, out_dir=tmp_path / "out", run_time_s=180,
+                         api_key=server.api_key, block_tokens=BLOCK_TOKENS,
+                         tokenizer=model_dir)  # fmt: skip
+    finally:
+        stop.set()
+        writer.join(timeout=10)
+
+    # Every request answered.
+    assert run.exit_code == 0, run.log[-3000:]
+    summary = run.summary
+    assert summary is not None
+    assert (summary["requests_ok"], summary["requests_failed"], summary["requests_unsent"]) == (
+        TRACE_REQUESTS,
+        0,
+        0,
+    )
+    # Every switch written was applied, in order, once.
+    assert len(written) == SWITCHES, f"only {len(written)} switches written during the replay"
+    applied = metric_sum(server, "arc_evictor_policy_switches_total") - switches_before
+    assert applied == SWITCHES
+    lines = [m.groupdict() for m in SWITCH_LINE.finditer(server.log_tail(100_000))]
+    assert [line["new"].split("-")[0] for line in lines] == written
+    assert lines[0]["old"].split("-")[0] == FIRST_POLICY
+    # No resident block lost: each switch kept every block that was resident before it.
+    for line in lines:
+        assert int(line["kept"]) == int(line["before"]), line
+    assert all(int(line["before"]) > 0 for line in lines)  # there was something to lose
+    # The engine reports the last policy written as the active one.
+    metrics = requests.get(f"{server.base_url}/metrics", timeout=10).text
+    assert f'arc_evictor_policy_info{{policy="{written[-1]}"}} 1.0' in metrics
+    print(
+        f"live switch: {len(written)} switches written, {int(applied)} applied; "
+        f"{summary['requests_ok']} requests ok, {summary['requests_failed']} failed; "
+        f"resident blocks kept per switch: {[int(line['before']) for line in lines]}"
+    )

@@ -1,0 +1,218 @@
+"""Operator faults against kmock's in-memory Kubernetes API, with the real kopf operator.
+
+Injected: children deleted behind the operator's back (recreated by the deleted-child event
+handler, with the drift timer parked for an hour so it cannot be what repairs them), and an
+operator stopped while an update is half applied, then started again (one object of each
+kind afterwards, the update finished, the status converged).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any
+
+import kmock
+import pytest
+
+from tests.operator.conftest import (
+    CONFIGMAPS,
+    DEPLOYMENTS,
+    NAMESPACE,
+    SERVICES,
+    SP_RESOURCE,
+    eventually,
+    make_servingpolicy,
+    make_spec,
+    stored,
+)
+
+pytestmark = pytest.mark.asyncio
+
+SP_PATH = f"/apis/arcserving.io/v1alpha1/namespaces/{NAMESPACE}/servingpolicies"
+CHILDREN = [
+    (DEPLOYMENTS, f"/apis/apps/v1/namespaces/{NAMESPACE}/deployments", "demo"),
+    (SERVICES, f"/api/v1/namespaces/{NAMESPACE}/services", "demo"),
+    (CONFIGMAPS, f"/api/v1/namespaces/{NAMESPACE}/configmaps", "demo-policy"),
+]
+# The bound on a recreation: an event round trip and three API calls on this machine take
+# well under a second; the timer (parked at an hour) would take 3600 s.
+RECREATE_BOUND_S = 5.0
+# Fields the API server (here kmock) sets on each stored copy; the rest must come back equal.
+SERVER_FIELDS = ("resourceVersion", "uid", "creationTimestamp", "generation")
+
+
+async def create_sp(cluster, name: str, spec: dict[str, Any]) -> None:
+    response = await cluster.post(SP_PATH, json=make_servingpolicy(name, spec))
+    assert response.status == 200, await response.text()
+
+
+async def merge_patch(cluster, path: str, body: dict[str, Any]) -> None:
+    response = await cluster.patch(
+        path, json=body, headers={"Content-Type": "application/merge-patch+json"}
+    )
+    assert response.status == 200, await response.text()
+
+
+def status_of(cluster, name: str) -> dict[str, Any]:
+    return (stored(cluster, SP_RESOURCE, name) or {}).get("status") or {}
+
+
+def valid(cluster, name: str) -> bool:
+    return any(
+        c["type"] == "Valid" and c["status"] == "True"
+        for c in status_of(cluster, name).get("conditions", [])
+    )
+
+
+def operator_writes(cluster, resource, method: str) -> int:
+    """Requests of ``method`` on ``resource`` made by the operator (not by the test)."""
+    return sum(
+        1
+        for request in list(cluster)
+        if request.resource == resource
+        and request.method.value == method
+        and "kmock" not in request.headers.get("User-Agent", "")
+    )
+
+
+def owned(cluster, resource, uid: str) -> list[str]:
+    """Names of the live objects of ``resource`` owned by the object with ``uid``."""
+    return [
+        key[2]
+        for key, obj in list(cluster.objects.items())
+        if key[0] == resource
+        and not obj.deleted
+        and any(ref["uid"] == uid for ref in obj.get("metadata", {}).get("ownerReferences", []))
+    ]
+
+
+def comparable(obj: dict[str, Any]) -> dict[str, Any]:
+    meta = {k: v for k, v in obj["metadata"].items() if k not in SERVER_FIELDS}
+    return {**obj, "metadata": meta}
+
+
+async def wait_for_children(cluster) -> dict[Any, dict[str, Any]]:
+    await eventually(lambda: valid(cluster, "demo"))
+    return {
+        resource: await eventually(lambda r=resource, n=name: stored(cluster, r, n))
+        for resource, _, name in CHILDREN
+    }
+
+
+async def test_deleted_children_are_recreated_by_the_event_handler(
+    cluster, slow_timer_operator
+) -> None:
+    await create_sp(cluster, "demo", make_spec(policy="ARC"))
+    before = await wait_for_children(cluster)
+    deletions = recreations = 0
+    # Each child alone, then all three at once.
+    for batch in [[child] for child in CHILDREN] + [CHILDREN]:
+        posts = {resource: operator_writes(cluster, resource, "POST") for resource, _, _ in batch}
+        started = time.monotonic()
+        for _, path, name in batch:
+            response = await cluster.delete(f"{path}/{name}")
+            assert response.status == 200, await response.text()
+            deletions += 1
+        for resource, _, name in batch:
+            back = await eventually(
+                lambda r=resource, n=name: stored(cluster, r, n), timeout=RECREATE_BOUND_S
+            )
+            assert comparable(back) == comparable(before[resource])
+            assert operator_writes(cluster, resource, "POST") == posts[resource] + 1
+            recreations += 1
+        assert time.monotonic() - started < RECREATE_BOUND_S
+    assert (deletions, recreations) == (6, 6)
+    for resource, _, name in CHILDREN:
+        assert owned(cluster, resource, "uid-demo") == [name]
+
+
+async def test_children_of_a_policy_being_deleted_are_not_recreated(
+    cluster, slow_timer_operator
+) -> None:
+    await create_sp(cluster, "demo", make_spec())
+    await wait_for_children(cluster)
+    # Foreground deletion as the API server does it: the owner is marked and held by a
+    # finalizer while the garbage collector deletes its children.
+    await merge_patch(
+        cluster,
+        f"{SP_PATH}/demo",
+        {
+            "metadata": {
+                "deletionTimestamp": "2026-01-01T00:00:00Z",
+                "finalizers": ["foregroundDeletion"],
+            }
+        },
+    )
+    await asyncio.sleep(0.5)  # the index sees the mark through the watch
+    posts = operator_writes(cluster, DEPLOYMENTS, "POST")
+    response = await cluster.delete(f"{CHILDREN[0][1]}/demo")
+    assert response.status == 200, await response.text()
+    await asyncio.sleep(2.0)
+    assert stored(cluster, DEPLOYMENTS, "demo") is None
+    assert operator_writes(cluster, DEPLOYMENTS, "POST") == posts
+
+
+async def test_operator_restart_mid_update_converges_without_duplicates(cluster, operator) -> None:
+    await create_sp(cluster, "demo", make_spec(policy="LRU", replicas=1, switchMode="Hot"))
+    await wait_for_children(cluster)
+    lru = stored(cluster, CONFIGMAPS, "demo-policy")
+    held, answer, stopped = asyncio.Event(), asyncio.Event(), asyncio.Event()
+
+    async def hold_configmap_write() -> kmock.Response | None:
+        """Until the operator has stopped, refuse its ConfigMap writes (the update's last
+        step): the first hangs until ``answer``, every one gets 503, as from a server going
+        away.
+
+        kmock stores a write before reactions run; a server that refused it has not written
+        it, so the stored ConfigMap is put back first.
+        """
+        if stopped.is_set():
+            return None  # fall through to kmock's own handling
+        cluster.objects[CONFIGMAPS, NAMESPACE, "demo-policy"] = lru
+        held.set()
+        await answer.wait()
+        return kmock.Response(
+            status=503, payload={"kind": "Status", "code": 503, "message": "server going away"}
+        )
+
+    cluster[CONFIGMAPS]["patch"] << hold_configmap_write
+    await merge_patch(
+        cluster,
+        f"{SP_PATH}/demo",
+        {
+            "metadata": {"generation": 2, "resourceVersion": "2"},
+            "spec": {"policy": "ARC", "replicas": 3},
+        },
+    )
+    await asyncio.wait_for(held.wait(), 10)
+    # Half applied: the Deployment has the new replicas, the ConfigMap still the old policy.
+    assert stored(cluster, DEPLOYMENTS, "demo")["spec"]["replicas"] == 3
+    assert json.loads(stored(cluster, CONFIGMAPS, "demo-policy")["data"]["policy.json"]) == {
+        "policy": "lru"
+    }
+    # Stop the operator while its write hangs; answer the write a second into the stop.
+    stopping = asyncio.create_task(operator.stop())
+    await asyncio.sleep(1.0)
+    answer.set()
+    await stopping
+    stopped.set()
+    # No pass finished: the status still describes generation 1.
+    assert status_of(cluster, "demo")["observedGeneration"] == 1
+    posts = {resource: operator_writes(cluster, resource, "POST") for resource, _, _ in CHILDREN}
+
+    await operator.start()
+    await eventually(
+        lambda: (
+            json.loads(stored(cluster, CONFIGMAPS, "demo-policy")["data"]["policy.json"])
+            == {"policy": "arc"}
+        ),
+        timeout=30,
+    )
+    await eventually(lambda: status_of(cluster, "demo").get("observedGeneration") == 2)
+    assert stored(cluster, DEPLOYMENTS, "demo")["spec"]["replicas"] == 3
+    for resource, _, name in CHILDREN:
+        assert owned(cluster, resource, "uid-demo") == [name]
+        assert operator_writes(cluster, resource, "POST") == posts[resource] == 1
+    assert valid(cluster, "demo")
