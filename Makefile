@@ -92,7 +92,8 @@ evaluate: $(STAMP)
 	$(PY) -m arc_evictor.cli evaluate --out $(OUT)/evaluate
 
 # Security audit (SECURITY.md): checkov on the chart rendered with its default values and every
-# ci/ variant and on images/*.Dockerfile, and bandit on the Python packages (medium and high
+# ci/ variant, on the children the operator builds for the chart's default ServingPolicy (both
+# switch modes; `python -m arc_operator.render`) and on images/*.Dockerfile, and bandit on the Python packages (medium and high
 # findings fail). The scanners live in their own virtualenv: checkov's pins clash with vllm's.
 # Any failed check fails the target; skips are annotated in place with their reason.
 AUDIT_VENV := .venv-audit
@@ -107,16 +108,17 @@ $(AUDIT_STAMP):
 	touch $@
 
 .PHONY: audit
-audit: $(AUDIT_STAMP) $(HELM)
+audit: $(AUDIT_STAMP) $(HELM) $(STAMP)
 	@tmp=$$(mktemp -d) && trap 'rm -rf "$$tmp"' EXIT && \
 	  $(HELM) template $(AUDIT_RELEASE) charts/arc-serving --namespace $(AUDIT_RELEASE) \
 	    > "$$tmp/default.yaml" && \
+	  $(PY) -m arc_operator.render "$$tmp/default.yaml" "$$tmp/operator-children" && \
 	  for values in charts/arc-serving/ci/*.yaml; do \
 	    $(HELM) template $(AUDIT_RELEASE) charts/arc-serving --namespace $(AUDIT_RELEASE) \
 	      --values "$$values" > "$$tmp/$$(basename "$$values")" || exit 1; \
 	  done && \
 	  status=0 && \
-	  echo "== checkov: chart rendered with default values and $$(ls charts/arc-serving/ci/*.yaml | wc -l) ci/ variants" && \
+	  echo "== checkov: chart rendered with default values and $$(ls charts/arc-serving/ci/*.yaml | wc -l) ci/ variants, operator-built children" && \
 	  { $(AUDIT_VENV)/bin/checkov --directory "$$tmp" --framework kubernetes --compact --quiet \
 	      --skip-download || status=1; } && \
 	  echo "== checkov: images/*.Dockerfile" && \

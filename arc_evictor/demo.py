@@ -484,7 +484,7 @@ class ServerSession:
         self.base_url = base_url
         self.model = model
         self.policy_file = policy_file
-        self.api_key = api_key  # the server's key: /v1 requests and the replay send it
+        self.api_key = api_key  # the server's key: every request sends it (not only /v1)
 
     def _request(self, path: str, body: dict[str, Any] | None = None) -> bytes:
         data = None if body is None else json.dumps(body).encode()

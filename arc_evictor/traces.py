@@ -30,6 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from arc_evictor.jsonutil import unique_keys
+
 TraceFormatName = Literal["mooncake", "bailian"]
 FORMATS: tuple[TraceFormatName, ...] = ("mooncake", "bailian")
 BLOCK_TOKENS: dict[TraceFormatName, int] = {"mooncake": 512, "bailian": 16}
@@ -97,17 +99,6 @@ def detect_format(record: dict[str, Any]) -> TraceFormatName | None:
     return None
 
 
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    record = dict(pairs)
-    if len(record) != len(pairs):
-        seen: set[str] = set()
-        for key, _ in pairs:
-            if key in seen:
-                raise ValueError(f"key {key!r} appears twice in one object")
-            seen.add(key)
-    return record
-
-
 def _load_line(data: bytes) -> Any:
     """One line's JSON value; ValueError names what is wrong with it."""
     try:
@@ -115,7 +106,7 @@ def _load_line(data: bytes) -> Any:
     except UnicodeDecodeError as error:
         raise ValueError(f"not UTF-8 text ({error.reason} at byte {error.start + 1})") from None
     try:
-        return json.loads(text, object_pairs_hook=_unique_keys)
+        return json.loads(text, object_pairs_hook=unique_keys)
     except json.JSONDecodeError as error:
         raise ValueError(f"not valid JSON ({error.msg})") from None
     except RecursionError:

@@ -16,22 +16,25 @@ tokens for the same hash id (loadtest.tokens).
 
 Exit codes: 0 when every sent request succeeded; 1 when a request failed, the replay stopped
 early (see below) or could not start (server unreachable, bad option, authentication
-failed); 2 when the trace is malformed (nothing is sent). Requests the run time cut off are
-counted as ``unsent`` in the summary, not as failures.
+failed); 2 when the trace is malformed (nothing is sent). Requests without a row (the run
+time cut them off, or an early stop abandoned them in flight) are counted as ``unsent`` in the
+summary, not as failures.
 
 A server that goes away does not hold the run until the end of the trace: after
 ``--max-unreachable`` (default 10; 0: never) consecutive requests got no HTTP answer
-(connection refused, reset or cut mid-stream), each runner stops sending, abandons what is
-in flight, and the run ends with exit code 1; the summary's ``stopped_early`` says why, the
-rest of the trace counts as ``unsent``. One request can hang for ``--request-timeout`` at
+(connection refused, reset or cut mid-stream) or a gateway's HTTP 502, 503 or 504 (what an
+ingress answers for a dead backend), each runner stops sending, abandons what is in flight,
+and the run ends with exit code 1; the summary's ``stopped_early`` says why, and the abandoned
+requests and the rest of the trace count as ``unsent`` (no row: sent or not, no answer was
+read). One request can hang for ``--request-timeout`` at
 most, and the whole run for ``--run-time``.
 
 API key: sent as ``Authorization: Bearer KEY`` on every request. Prefer the environment
 (``LOADTEST_API_KEY``) to ``--api-key``, which any local user can read in the process list. A
 401 fails the run with "authentication failed" in the log and the summary; the key itself is
-never logged or written. Distributed, every runner reads its own key: the master blanks it
-before Locust copies its options to the workers, so it never crosses the master-worker
-channel (give each worker ``LOADTEST_API_KEY`` too).
+never logged, written or shown in Locust's web UI. Distributed, every runner reads its own
+key: the master blanks it before Locust copies its options to the workers, so it never
+crosses the master-worker channel (give each worker ``LOADTEST_API_KEY`` too).
 """
 
 from __future__ import annotations
@@ -55,7 +58,7 @@ from urllib3 import PoolManager
 
 from arc_evictor.traces import FORMATS, TraceError
 from loadtest.replay import (
-    API_KEY_ENV,
+    LOADTEST_API_KEY_ENV,
     AuthenticationError,
     ReplaySettings,
     Results,
@@ -75,6 +78,9 @@ START_DELAY_S = 2.0  # workers set up (trace, vocabulary) before the common star
 MAX_CONNECTIONS = 512  # open loop: every request in flight holds a connection
 # Failures that mean no HTTP answer came (the server is gone), as opposed to a bad answer.
 CONNECTION_LOST = (requests.ConnectionError, requests.exceptions.ChunkedEncodingError)
+# Answers that mean the same behind a proxy or ingress: a dead backend gets a fast 502/503/504
+# from it, not a refused connection.
+GATEWAY_ERRORS = frozenset({502, 503, 504})
 
 
 @events.init_command_line_parser.add_listener
@@ -136,13 +142,17 @@ def _add_options(parser: Any) -> None:
         default=10,
         help="Stop after this many consecutive requests got no HTTP answer (0: never)",
     )
-    group.add_argument(
+    api_key = group.add_argument(
         "--api-key",
-        env_var=API_KEY_ENV,
+        env_var=LOADTEST_API_KEY_ENV,
         default="",
-        help=f"API key sent as 'Authorization: Bearer KEY' (prefer env {API_KEY_ENV}: "
+        help=f"API key sent as 'Authorization: Bearer KEY' (prefer env {LOADTEST_API_KEY_ENV}: "
         "argv is visible in the process list)",
     )
+    # Never in Locust's web UI, which would show the key and post it back from its form. An
+    # argument group's options stay out of it already (Locust 2.47 lists only actions carrying
+    # this flag set true); the flag keeps the key out if the option ever moves to the parser.
+    api_key.include_in_web_ui = False
 
 
 class ReplayUser(User):
@@ -273,7 +283,8 @@ class Replay:
             return
         self.stop_reason = (
             f"the server did not answer {limit} requests in a row (connection refused or "
-            "lost); the rest of the trace was not sent"
+            "lost, or HTTP 502/503/504 from a proxy); requests in flight were abandoned and "
+            "the rest of the trace was not sent"
         )
         log.error("stopping the replay: %s", self.stop_reason)
         if self.dispatcher is not None:
@@ -327,7 +338,11 @@ class Replay:
                 error = str(problem)
                 response.failure(error)
                 # Locust reports a request that got no response as status 0.
-                answered = status != 0 and not isinstance(problem, CONNECTION_LOST)
+                answered = (
+                    status != 0
+                    and status not in GATEWAY_ERRORS
+                    and not isinstance(problem, CONNECTION_LOST)
+                )
             else:
                 response.success()
             finally:

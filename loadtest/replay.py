@@ -28,7 +28,7 @@ log = logging.getLogger("loadtest")
 
 # The API key's variable (also --api-key). No fallback to OPENAI_API_KEY: a key meant for
 # another service must never be sent to the server under test by accident.
-API_KEY_ENV = "LOADTEST_API_KEY"
+LOADTEST_API_KEY_ENV = "LOADTEST_API_KEY"
 
 
 class AuthenticationError(RuntimeError):
@@ -40,8 +40,8 @@ def auth_failure(has_key: bool) -> str:
     if has_key:
         return "authentication failed: the server rejected the API key (HTTP 401)"
     return (
-        f"authentication failed: the server requires an API key (HTTP 401); set {API_KEY_ENV} "
-        "or pass --api-key"
+        "authentication failed: the server requires an API key (HTTP 401); "
+        f"set {LOADTEST_API_KEY_ENV} or pass --api-key"
     )
 
 
@@ -114,7 +114,7 @@ class ReplaySettings:
         if any(char.isspace() or not char.isprintable() for char in self.api_key):
             # The message must not echo the key.
             raise ValueError(
-                f"--api-key (or {API_KEY_ENV}) must not contain spaces, line breaks or "
+                f"--api-key (or {LOADTEST_API_KEY_ENV}) must not contain spaces, line breaks or "
                 "control characters"
             )
 

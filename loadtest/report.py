@@ -71,8 +71,10 @@ def summarize(
 ) -> dict[str, Any]:
     """The run's summary from its per-request rows.
 
-    ``planned`` is the number of requests in the trace; the difference to the rows is the
-    requests the run time cut off. Throughput counts answered requests over ``duration_s``.
+    ``planned`` is the number of requests in the trace; the difference to the rows
+    (``requests_unsent``) is the requests without an answer read: cut off by the run time,
+    never sent after an early stop, or abandoned in flight by it. Throughput counts answered
+    requests over ``duration_s``.
     ``requests_unauthorized`` counts the HTTP 401 answers (no API key or a wrong one);
     ``setup_error`` is why the replay could not start (None when it started);
     ``stopped_early`` is why it stopped before the end of the trace (the server became
@@ -136,7 +138,9 @@ def format_summary(summary: dict[str, Any]) -> str:
         )
     lines += [
         f"requests: {summary['requests_ok']} ok, {summary['requests_failed']} failed, "
-        f"{summary['requests_unsent']} unsent of {summary['requests_planned']} "
+        f"{summary['requests_unsent']} unsent"
+        + (" or abandoned in flight" if summary.get("stopped_early") else "")
+        + f" of {summary['requests_planned']} "
         f"in {summary['duration_s']:.1f} s",
     ]
     if summary["throughput_rps"] is not None:

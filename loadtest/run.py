@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from loadtest.replay import API_KEY_ENV
+from loadtest.replay import LOADTEST_API_KEY_ENV
 
 LOCUSTFILE = Path(__file__).with_name("locustfile.py")
 
@@ -93,8 +93,8 @@ def run_replay(
     command = replay_command(
         host, trace, results=results, summary=summary, run_time_s=run_time_s, **options
     )
-    env = {name: value for name, value in os.environ.items() if name != API_KEY_ENV}
-    env |= {"PYTHONUNBUFFERED": "1"} | ({API_KEY_ENV: api_key} if api_key else {})
+    env = {name: value for name, value in os.environ.items() if name != LOADTEST_API_KEY_ENV}
+    env |= {"PYTHONUNBUFFERED": "1"} | ({LOADTEST_API_KEY_ENV: api_key} if api_key else {})
     grace = 60
     if workers < 1:
         done = subprocess.run(

@@ -8,6 +8,11 @@ so the engine core's device block pool is a ``PolicyBlockPool``. Before each sch
 engine core polls the policy file, switches policy live, and publishes metrics (so an idle
 engine applies a file change with its next request; see ``config``).
 
+When an API key is configured (``VLLM_API_KEY``), ``register`` also makes vLLM's key check
+guard every HTTP path of the API server but ``/health`` and ``/metrics`` (vLLM's own guards
+only ``/v1`` and a few other prefixes; see ``adapter.OPEN_PATHS``). vLLM loads general plugins
+in the API server process while parsing its arguments, before it builds the app.
+
 Only ``adapter`` imports vLLM internals; ``register`` imports it lazily, and only after
 ``version.check_vllm_version`` accepted the installed vLLM, so another version stops start-up
 with that check's message rather than an ImportError from the adapter.
@@ -16,6 +21,7 @@ with that check's message rather than an ImportError from the adapter.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import TYPE_CHECKING
 
@@ -28,11 +34,19 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("vllm.arc_evictor")
 
+# vLLM reads its API key from this variable when --api-key is not given (vllm.envs).
+API_KEY_ENV = "VLLM_API_KEY"
+
 __all__ = ["METRIC_NAMES", "SWITCH_LOG", "PluginConfigError", "PluginRuntime", "register"]
 
 # The engine log's line for each live switch (tests and operators parse it): old policy, new
-# policy, resident blocks the new policy holds, resident blocks before the switch, duration.
-SWITCH_LOG = "arc_evictor: policy switch %s -> %s: %d of %d resident blocks kept in %.1f ms"
+# policy, resident blocks the new policy holds, resident blocks before the switch; then, counted
+# in vLLM's own prefix-cache map (what a request can hit), its cached blocks the new policy
+# holds and all its cached blocks; the switch's duration.
+SWITCH_LOG = (
+    "arc_evictor: policy switch %s -> %s: %d of %d resident blocks kept; "
+    "vLLM's prefix cache: %d of %d cached blocks resident; in %.1f ms"
+)
 
 
 class PluginRuntime:
@@ -88,7 +102,9 @@ class PluginRuntime:
         """Switch every pool (and pools built later) to policy ``name``.
 
         Each switch logs one line (SWITCH_LOG) with the resident blocks before it and how
-        many of those the new policy holds: equal counts show that no cached block was lost.
+        many of those the new policy holds, and the same check against vLLM's own block pool:
+        the blocks its prefix-cache map holds (what a request can hit) and how many of those
+        the new policy holds. All four equal: no cached block was lost, none is untracked.
         """
         from arc_evictor.vllm_plugin import adapter
 
@@ -99,22 +115,37 @@ class PluginRuntime:
             new = pool.switch_policy(name)
             elapsed_ms = (time.perf_counter() - started) * 1000
             kept = sum(1 for key in before if key in new)
-            logger.info(SWITCH_LOG, old.describe(), new.describe(), kept, len(before), elapsed_ms)
+            cached = pool.prefix_cache_keys()
+            tracked = sum(1 for key in cached if key in new)
+            logger.info(SWITCH_LOG, old.describe(), new.describe(), kept, len(before),
+                        tracked, len(cached), elapsed_ms)  # fmt: skip
         adapter.set_policy_name(name)
 
 
 _runtime: PluginRuntime | None = None
+_guarded = False  # the API key guard is installed in this process
 
 
 def register() -> None:
-    """vLLM's general-plugin hook; idempotent; raises to stop start-up on bad settings."""
-    global _runtime
+    """vLLM's general-plugin hook; idempotent; raises to stop start-up on bad settings.
+
+    With an API key in ``VLLM_API_KEY`` (how the operator, the chart and ``VllmServer`` pass
+    it) the key guards every path but ``adapter.OPEN_PATHS``, also without a policy set; an
+    unsupported vLLM then stops start-up rather than serve with vLLM's narrower guard.
+    """
+    global _runtime, _guarded
     settings = Settings.from_env()
-    if settings is None or _runtime is not None:
+    wants_guard = bool(os.environ.get(API_KEY_ENV)) and not _guarded
+    if not wants_guard and (settings is None or _runtime is not None):
         return
     check_vllm_version()  # before the adapter import, which may fail on another vLLM
     from arc_evictor.vllm_plugin import adapter
 
+    if wants_guard:
+        adapter.guard_every_path()
+        _guarded = True
+    if settings is None or _runtime is not None:
+        return
     runtime = PluginRuntime(settings)
     adapter.install(settings.policy, on_step=runtime.on_step, on_pool=runtime.on_pool)
     _runtime = runtime

@@ -59,6 +59,10 @@ import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+from starlette.datastructures import Headers
+from starlette.responses import JSONResponse
+from starlette.types import Receive, Scope, Send
+from vllm.entrypoints.serve.middleware import authenticate as vllm_authenticate
 from vllm.v1.core import kv_cache_coordinator, kv_cache_manager, single_type_kv_cache_manager
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_utils import (
@@ -440,6 +444,16 @@ class PolicyBlockPool(BlockPool):
         self.policy_switches += 1
         return new
 
+    def prefix_cache_keys(self) -> set[Key]:
+        """The keys vLLM's own prefix-cache map holds a block for: what a request can hit.
+
+        Read from vLLM's ``cached_block_hash_to_block``, not from this class's bookkeeping, so
+        a live switch can be checked against the pool itself (``verify`` checks that every one
+        is a resident policy key; a resident key is missing here only while its block waits
+        for its hash within an allocation).
+        """
+        return {key for key, blocks in self.cached_block_hash_to_block._cache.items() if blocks}
+
     # ------------------------------------------------------------- unsupported paths
     def unpin_blocks(self, blocks: Iterable[KVCacheBlock], on_reuse: Callable[..., None]) -> None:
         raise UnsupportedVllmError("arc_evictor: BlockPool.unpin_blocks (HiSparse) is unsupported")
@@ -459,6 +473,9 @@ class PolicyBlockPool(BlockPool):
             "policy resident keys and the pool's cached keys differ"
         )
         assert len(self._primary) == len(policy), "policy length differs from cached keys"
+        # vLLM's own map may lack a key only while its block is pending (hash not yet set).
+        untracked = self.prefix_cache_keys() - set(self._primary)
+        assert not untracked, f"{len(untracked)} keys in vLLM's prefix cache but not the policy"
         assert len(self._key_of) == len(self.blocks), "block -> key table has the wrong size"
         key_of = {i: key for i, key in enumerate(self._key_of) if key is not None}
         in_queue = {b.block_id for b in self.free_block_queue.get_all_free_blocks()}
@@ -601,6 +618,42 @@ def install(
         allocate_new_blocks
     )
     vllm_scheduler.Scheduler.schedule = schedule  # type: ignore[method-assign]
+
+
+# ------------------------------------------------------------------------ API key guard
+# The paths the API server answers without the key when one is configured. /health: the
+# kubelet's probes send no credentials; /metrics: Prometheus scrapes without one (the chart's
+# NetworkPolicies admit only Prometheus to the port). Nothing else is open: not /ping
+# (SageMaker's probe; ours use /health), /version (it tells an attacker which CVEs apply),
+# /openapi.json, /docs, /redoc (a map of the API for whoever holds the key), nor /tokenize,
+# /invocations, /pooling, ... that vLLM's own middleware leaves open, nor any path a later vLLM
+# adds. Exact matches: /metrics/ or /health/x need the key.
+OPEN_PATHS = frozenset({"/health", "/metrics"})
+
+
+def _guard_every_path(self: Any, scope: Scope, receive: Receive, send: Send) -> Any:
+    """``AuthenticationMiddleware.__call__`` guarding every path but ``OPEN_PATHS``.
+
+    vLLM's own guards only ``/v1``, ``/v2``, ``/inference``, ``/cohere``; this keeps its token
+    check (``verify_token``, constant-time) and its 401 body, and its pass-through of non-HTTP
+    scopes and of OPTIONS (CORS preflight carries no credentials and reaches no handler).
+    """
+    if scope["type"] not in ("http", "websocket") or scope.get("method") == "OPTIONS":
+        return self.app(scope, receive, send)
+    path = scope["path"].removeprefix(scope.get("root_path", ""))
+    if path in OPEN_PATHS or self.verify_token(Headers(scope=scope)):
+        return self.app(scope, receive, send)
+    return JSONResponse(content={"error": "Unauthorized"}, status_code=401)(scope, receive, send)
+
+
+def guard_every_path() -> None:
+    """Make vLLM's API-key middleware guard every path but ``OPEN_PATHS``. Idempotent.
+
+    vLLM adds the middleware only when a key is configured (``--api-key`` or ``VLLM_API_KEY``)
+    and builds it after general plugins were loaded in the API server process (argument
+    parsing loads them), so patching the class here puts the guard in front of every route.
+    """
+    vllm_authenticate.AuthenticationMiddleware.__call__ = _guard_every_path  # type: ignore[method-assign]
 
 
 def set_policy_name(name: str) -> None:

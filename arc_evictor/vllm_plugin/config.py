@@ -24,6 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from arc_evictor.jsonutil import unique_keys
 from arc_evictor.policies import policy_names
 
 ENV_POLICY = "ARC_EVICTOR_POLICY"
@@ -50,14 +51,6 @@ def validate_policy_name(name: object, source: str) -> str:
     )
 
 
-def _unique_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
-    keys = [key for key, _ in pairs]
-    repeated = sorted({key for key in keys if keys.count(key) > 1})
-    if repeated:
-        raise ValueError(f"key {repeated[0]!r} appears twice")
-    return dict(pairs)
-
-
 def read_policy_file(path: Path) -> str:
     """The policy named by the JSON file at ``path``; PluginConfigError says what is wrong.
 
@@ -74,7 +67,7 @@ def read_policy_file(path: Path) -> str:
             f'{ENV_CONFIG}={path}: larger than {MAX_FILE_BYTES} bytes; expected {{"policy": "arc"}}'
         )
     try:
-        data = json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_keys)
+        data = json.loads(raw.decode("utf-8"), object_pairs_hook=unique_keys)
     except UnicodeDecodeError as exc:
         raise PluginConfigError(f"{ENV_CONFIG}={path}: not UTF-8 text: {exc.reason}") from None
     except json.JSONDecodeError as exc:

@@ -3,7 +3,8 @@
 Create, update (of ``spec``), resume and the status timer all call one ``reconcile``:
 
 1. validate the spec (``models.parse_spec``); an invalid spec touches no child;
-2. apply the children (Deployment, Service, ConfigMap from ``manifests``), each owned by
+2. apply the children (Deployment, Service, NetworkPolicy, ConfigMap from ``manifests``; the
+   NetworkPolicy admits the operator's configured peers), each owned by
    the ServingPolicy via ``kopf.adopt`` so deleting it deletes them;
 3. read the Deployment's rollout and each ready pod's /metrics (policy, prefix-cache
    counters), and write the whole status in one patch.
@@ -15,8 +16,9 @@ admission policy or quota heals). No response, 5xx, 404 (a child vanished mid-ap
 429 are transient: kopf retries after ``RETRY_DELAY_S``.
 
 Deleted children: a child deleted behind the operator's back (``kubectl delete deployment``)
-is recreated at once, not at the next timer pass: an event handler on the three child kinds,
-filtered by the operator's ``managed-by`` label, looks the owner up in an in-memory index of
+is recreated at once, not at the next timer pass: an event handler on the child kinds,
+watched with a server-side label selector on the operator's ``managed-by`` label (so kopf
+never lists or streams anyone else's objects), looks the owner up in an in-memory index of
 ServingPolicies (kopf's ``@kopf.index``, fed by the watch the operator already has, so no
 extra ``get`` permission) and re-applies its children under the owner's lock. It skips an
 owner that is itself being deleted (the garbage collector is removing the children) and an
@@ -88,17 +90,25 @@ SHUTDOWN_GRACE_S = 10.0
 
 
 # The child kinds whose deletion triggers a repair: (group, version, plural).
-CHILD_KINDS = (("apps", "v1", "deployments"), ("", "v1", "services"), ("", "v1", "configmaps"))
+CHILD_KINDS = (
+    ("apps", "v1", "deployments"),
+    ("", "v1", "services"),
+    ("networking.k8s.io", "v1", "networkpolicies"),
+    ("", "v1", "configmaps"),
+)
 MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
+# The server-side selector of every child watch: the API server streams only managed objects.
+CHILD_SELECTOR = f"{MANAGED_BY_LABEL}={mf.MANAGED_BY}"
 
 
 @dataclass(frozen=True, slots=True)
 class Runtime:
     """Clients and settings shared by every handler; built once in on.startup.
 
-    Invariant: ``locks`` holds one lock per ServingPolicy (namespace, name); every write to
-    that policy's children happens under it, so the change handlers, the timer and the
-    deleted-child repair never interleave their reads and writes.
+    Invariant: ``locks`` holds one lock per live ServingPolicy (namespace, name), created on
+    first use and dropped when the ServingPolicy is deleted; every write to that policy's
+    children happens under it, so the change handlers, the timer and the deleted-child repair
+    never interleave their reads and writes.
     """
 
     config: OperatorConfig
@@ -108,7 +118,15 @@ class Runtime:
 
     def lock(self, namespace: str, name: str) -> asyncio.Lock:
         """The lock of ServingPolicy ``namespace/name`` (created on first use)."""
-        return self.locks.setdefault((namespace, name), asyncio.Lock())
+        key = (namespace, name)
+        lock = self.locks.get(key)
+        if lock is None:
+            lock = self.locks[key] = asyncio.Lock()
+        return lock
+
+    def forget(self, namespace: str, name: str) -> None:
+        """Drop the lock of a deleted ServingPolicy (a holder keeps its reference)."""
+        self.locks.pop((namespace, name), None)
 
 
 def configure(settings: kopf.OperatorSettings) -> None:
@@ -123,6 +141,10 @@ def configure(settings: kopf.OperatorSettings) -> None:
     settings.peering.standalone = True
     settings.scanning.disabled = True
     settings.posting.level = logging.INFO
+    # Watch only the operator's own children: without a server-side selector kopf would list
+    # and stream every Deployment, Service, NetworkPolicy and ConfigMap it can see.
+    for group, version, plural in CHILD_KINDS:
+        settings.watching.label_selectors[group, version, plural] = CHILD_SELECTOR
     # At shutdown, let a timer finish its pass (a few API calls) instead of orphaning it
     # mid-request while on.cleanup closes the sessions it uses.
     settings.background.instant_exit_timeout = SHUTDOWN_GRACE_S
@@ -199,12 +221,16 @@ def rejected(error: ApiError) -> bool:
 
 
 async def apply_children(
-    api: KubeApi, body: Mapping[str, Any], spec: ServingPolicySpec, logger: logging.Logger | Any
+    runtime: Runtime,
+    body: Mapping[str, Any],
+    spec: ServingPolicySpec,
+    logger: logging.Logger | Any,
 ) -> None:
     """Apply every child of ``body`` (a ServingPolicy) in order, owned by it; stop at the
     first error."""
     meta = body["metadata"]
-    for manifest in mf.children(meta["name"], meta["namespace"], spec):
+    api, peers = runtime.api, runtime.config.peers()
+    for manifest in mf.children(meta["name"], meta["namespace"], spec, peers):
         kopf.adopt(manifest, owner=body)  # type: ignore[arg-type]  # any owner mapping
         outcome = await apply_child(api, manifest)
         if outcome != "unchanged":
@@ -296,7 +322,7 @@ async def _reconcile_locked(
     try:
         if parsed is not None:
             try:
-                await apply_children(runtime.api, body, parsed, logger)
+                await apply_children(runtime, body, parsed, logger)
             except ApiError as problem:
                 if not rejected(problem):
                     raise
@@ -359,7 +385,7 @@ async def repair_deleted_child(
             continue  # nothing valid to restore; the timer reports the spec
         async with runtime.lock(meta["namespace"], meta["name"]):
             try:
-                await apply_children(runtime.api, owner, spec, logger)
+                await apply_children(runtime, owner, spec, logger)
             except ApiError as problem:
                 # Event handlers are not retried; the timer's next pass is.
                 logger.warning(f"repair of {meta['name']} failed, the timer retries: {problem}")
@@ -435,6 +461,15 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
                 return
             owners = list(servingpolicy_owners.get((namespace, labels[mf.POLICY_LABEL]), []))
             await repair_deleted_child(memo["runtime"], owners, logger)
+
+    @kopf.on.event(GROUP, VERSION, PLURAL, id="forget_deleted_servingpolicy", registry=registry)
+    async def forget_deleted_servingpolicy(
+        event: kopf.RawEvent, name: str, namespace: str, memo: kopf.Memo, **_: Any
+    ) -> None:
+        # The policy is gone from the API: its lock would only leak. Async, so that it runs in
+        # the loop that uses the locks (kopf runs sync handlers in a thread pool).
+        if event["type"] == "DELETED":
+            memo["runtime"].forget(namespace, name)
 
     @kopf.timer(GROUP, VERSION, PLURAL, interval=config.status_interval, registry=registry)
     async def repair_and_report(

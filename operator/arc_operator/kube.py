@@ -19,7 +19,12 @@ import kopf
 from arc_operator import FIELD_MANAGER
 
 # Plural names of the kinds the operator writes or reads.
-PLURALS = {"ConfigMap": "configmaps", "Service": "services", "Deployment": "deployments"}
+PLURALS = {
+    "ConfigMap": "configmaps",
+    "Service": "services",
+    "Deployment": "deployments",
+    "NetworkPolicy": "networkpolicies",
+}
 
 
 class ApiError(Exception):

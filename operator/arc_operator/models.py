@@ -68,16 +68,21 @@ API_KEY_ENV = "VLLM_API_KEY"
 # Where vLLM, Hugging Face, torch and triton write (home, caches, temp files): the operator
 # points them at the pod's emptyDirs, since the root filesystem is read-only.
 WRITABLE_DIR_ENV = frozenset({"HOME", "TMPDIR", "XDG_CACHE_HOME", "XDG_CONFIG_HOME"})
+# Telemetry off: vLLM reports usage statistics to its maintainers' server unless one of these
+# is set (vllm.usage.usage_lib); a serving pod sends nothing it was not asked to.
+NO_TELEMETRY_ENV = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
 # Environment variables the operator sets itself; env may not override them.
 OWNED_ENV = (
     frozenset({"ARC_EVICTOR_CONFIG", "ARC_EVICTOR_POLICY", "PROMETHEUS_MULTIPROC_DIR", API_KEY_ENV})
     | WRITABLE_DIR_ENV
+    | frozenset(NO_TELEMETRY_ENV)
 )
 # A Secret's name is a DNS subdomain (RFC 1123): lower-case labels joined by dots.
 DNS_SUBDOMAIN_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 # A Secret data key (Kubernetes' IsConfigMapKey); "." and ".." are refused by the validator.
 SECRET_KEY_PATTERN = r"^[-._a-zA-Z0-9]+$"
-DEFAULT_API_KEY_KEY = "api-key"
+# The Secret data key that holds the API key when apiKeySecretRef names none.
+DEFAULT_SECRET_KEY = "api-key"
 # vLLM's GPU block tables are built for block sizes that are multiples of 16 tokens.
 BLOCK_SIZE_MULTIPLE = 16
 
@@ -161,15 +166,26 @@ class ResourcesSpec(_Frozen):
     """What each vLLM pod asks the scheduler for."""
 
     gpus: int = Field(default=1, ge=0, description="NVIDIA GPUs per pod (nvidia.com/gpu).")
-    cpu: str | None = Field(
-        default=None,
+    # Defaults: vLLM's API server, engine core and tokenizer processes keep a few cores busy,
+    # and host memory holds the weights while loading plus the CPU swap space (4 GiB by
+    # default), so 4 cores and 32Gi fit a 7-8B model on one GPU; bigger models set more.
+    cpu: str = Field(
+        default="4",
         pattern=QUANTITY_PATTERN,
         description="CPU request and limit (a Kubernetes quantity: 4, 500m).",
     )
-    memory: str | None = Field(
-        default=None,
+    memory: str = Field(
+        default="32Gi",
         pattern=QUANTITY_PATTERN,
         description="Memory request and limit (a Kubernetes quantity: 16Gi, 512M).",
+    )
+    home_size_limit: str = Field(
+        default="64Gi",
+        pattern=QUANTITY_PATTERN,
+        description=(
+            "Size limit of the writable HOME emptyDir (Hugging Face downloads, vLLM and torch "
+            "caches); the kubelet evicts a pod that exceeds it. Fit it to the model's size."
+        ),
     )
 
 
@@ -231,7 +247,7 @@ class SecretKeyRef(_Frozen):
         max_length=253, pattern=DNS_SUBDOMAIN_PATTERN, description="Name of the Secret."
     )
     key: str = Field(
-        default=DEFAULT_API_KEY_KEY,
+        default=DEFAULT_SECRET_KEY,
         max_length=253,
         pattern=SECRET_KEY_PATTERN,
         description="Data key in the Secret that holds the value.",
@@ -474,18 +490,87 @@ def parse_spec(spec: Mapping[str, Any]) -> ServingPolicySpec:
         raise SpecError(_describe(error)) from None
 
 
+class LabelSelectorRequirement(_Frozen):
+    """One matchExpressions entry of a Kubernetes LabelSelector."""
+
+    key: str = Field(min_length=1)
+    operator: str = Field(pattern=r"^(In|NotIn|Exists|DoesNotExist)$")
+    values: list[str] | None = None
+
+
+class LabelSelector(_Frozen):
+    """A Kubernetes LabelSelector (empty: everything)."""
+
+    match_labels: dict[str, str] | None = None
+    match_expressions: list[LabelSelectorRequirement] | None = None
+
+
+class IPBlock(_Frozen):
+    """A Kubernetes NetworkPolicy IPBlock."""
+
+    cidr: str = Field(min_length=1)
+    except_: list[str] | None = Field(default=None, alias="except")
+
+
+class NetworkPolicyPeer(_Frozen):
+    """A Kubernetes NetworkPolicyPeer: selectors, or an ipBlock alone (as the API requires)."""
+
+    pod_selector: LabelSelector | None = None
+    namespace_selector: LabelSelector | None = None
+    ip_block: IPBlock | None = None
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> NetworkPolicyPeer:
+        selectors = self.pod_selector is not None or self.namespace_selector is not None
+        if selectors == (self.ip_block is not None):
+            raise ValueError("a peer needs podSelector and/or namespaceSelector, or ipBlock alone")
+        return self
+
+    def manifest(self) -> dict[str, Any]:
+        """The peer as a NetworkPolicy manifest spells it."""
+        return self.model_dump(by_alias=True, exclude_none=True)
+
+
 class OperatorConfig(_Frozen):
-    """The operator's own settings, read once from the environment at start-up."""
+    """The operator's own settings, read once from the environment at start-up.
+
+    ``serving_peers`` (ARC_OPERATOR_SERVING_PEERS, a JSON list of NetworkPolicyPeer objects)
+    are the only clients allowed to reach the serving pods' port 8000 through each
+    ServingPolicy's NetworkPolicy child; none (the default) lets nothing in (kubelet probes are
+    not subject to NetworkPolicy). ``network_policy`` false (ARC_OPERATOR_NETWORK_POLICY) makes
+    no NetworkPolicy at all, for clusters whose own policies govern the serving pods.
+    """
 
     env_names: ClassVar[dict[str, str]] = {
         "metrics_port": "ARC_OPERATOR_METRICS_PORT",
         "status_interval": "ARC_OPERATOR_STATUS_INTERVAL",
         "scrape_timeout": "ARC_OPERATOR_SCRAPE_TIMEOUT",
+        "network_policy": "ARC_OPERATOR_NETWORK_POLICY",
+        "serving_peers": "ARC_OPERATOR_SERVING_PEERS",
     }
 
     metrics_port: int = Field(default=8000, ge=1, le=65535)
     status_interval: float = Field(default=30.0, gt=0)
     scrape_timeout: float = Field(default=5.0, gt=0)
+    network_policy: bool = True
+    serving_peers: tuple[NetworkPolicyPeer, ...] = ()
+
+    @field_validator("serving_peers", mode="before")
+    @classmethod
+    def _peers_json(cls, value: Any) -> Any:
+        # The environment holds text: a JSON list.
+        if isinstance(value, str):
+            try:
+                return json.loads(value)
+            except json.JSONDecodeError as error:
+                raise ValueError(
+                    f"not a JSON list of NetworkPolicyPeer objects ({error})"
+                ) from None
+        return value
+
+    def peers(self) -> list[dict[str, Any]] | None:
+        """The serving pods' allowed peers as manifests; None when no NetworkPolicy is made."""
+        return [peer.manifest() for peer in self.serving_peers] if self.network_policy else None
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str]) -> OperatorConfig:
@@ -496,7 +581,9 @@ class OperatorConfig(_Frozen):
         except ValidationError as error:
             problems = [
                 f"{cls.env_names[str(item['loc'][0])]}={values[str(item['loc'][0])]!r}: "
-                f"{item['msg']}"
+                + "".join(f"[{step}]" for step in item["loc"][1:])
+                + (": " if len(item["loc"]) > 1 else "")
+                + item["msg"]
                 for item in error.errors()
             ]
             raise SpecError("invalid operator settings: " + "; ".join(problems)) from None

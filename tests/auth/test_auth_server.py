@@ -1,8 +1,9 @@
 """The API key on the real vLLM server (CPU build) and the real Locust, tiny local Llama.
 
 One server for the module, started by ``VllmServer`` with its default: a fresh random key
-passed in ``VLLM_API_KEY``. vLLM's middleware guards ``/v1/*`` only, so ``/health`` and
-``/metrics`` stay open (the chart's NetworkPolicies keep them cluster-internal).
+passed in ``VLLM_API_KEY``. vLLM's own middleware guards ``/v1/*`` and a few other prefixes
+only; the plugin makes the key guard every path but ``/health`` (probes) and ``/metrics``
+(Prometheus; the chart's NetworkPolicies keep both cluster-internal).
 """
 
 from __future__ import annotations
@@ -100,6 +101,66 @@ def test_health_and_metrics_stay_open_for_probes_and_prometheus(server: VllmServ
     assert requests.get(f"{server.base_url}/health", timeout=30).status_code == 200
     metrics = requests.get(f"{server.base_url}/metrics", timeout=30)
     assert metrics.status_code == 200 and "vllm:prefix_cache_queries_total" in metrics.text
+
+
+# Paths vLLM 0.32's own middleware leaves open that run a model or read its tokenizer: each
+# must need the key (POST /invocations is SageMaker's route to completions and chat).
+REGRESSIONS = [("POST", path) for path in
+               ("/invocations", "/tokenize", "/detokenize", "/pooling", "/score", "/rerank",
+                "/classify")]  # fmt: skip
+# Routes the OpenAPI schema does not list, plus paths no route serves and near-misses of the
+# open paths (the open list is matched exactly).
+UNLISTED = [("GET", path) for path in
+            ("/openapi.json", "/docs", "/redoc", "/docs/oauth2-redirect", "/no-such-route",
+             "/metrics/", "/metrics/x", "/health/", "/healthz", "/v1")]  # fmt: skip
+
+
+def served_routes(server: VllmServer) -> set[tuple[str, str]]:
+    """(method, path) of every route the server's OpenAPI schema lists (read with the key)."""
+    response = requests.get(f"{server.base_url}/openapi.json", headers=server.auth_headers,
+                            timeout=30)  # fmt: skip
+    assert response.status_code == 200, response.text
+    return {
+        (method.upper(), path)
+        for path, operations in response.json()["paths"].items()
+        for method in operations
+        if method.upper() in {"GET", "POST", "PUT", "PATCH", "DELETE"}
+    }
+
+
+def test_every_route_but_health_and_metrics_answers_401_without_the_key(
+    server: VllmServer,
+) -> None:
+    routes = served_routes(server)
+    # The schema lists the routes of this vLLM, not a fixed list: a route a later vLLM adds is
+    # checked too. The open two are the only ones that answer without the key.
+    assert ("POST", "/invocations") in routes and ("POST", "/tokenize") in routes, routes
+    assert len(routes) > 15, routes
+    checked = (routes | set(REGRESSIONS) | set(UNLISTED)) - {("GET", "/health"),
+                                                              ("GET", "/metrics")}  # fmt: skip
+    open_paths = []
+    for method, path in sorted(checked):
+        url = server.base_url + re.sub(r"\{[^}]*\}", "x", path)  # path parameters: any value
+        response = requests.request(method, url, json={}, timeout=30)
+        if response.status_code != 401 or response.json() != {"error": "Unauthorized"}:
+            open_paths.append(f"{method} {path}: HTTP {response.status_code}")
+    assert not open_paths, f"reachable without the API key: {open_paths}"
+
+
+def test_the_key_opens_the_paths_vllm_left_open(server: VllmServer) -> None:
+    body = {"model": MODEL, "prompt": "hello"}
+    tokenize = requests.post(f"{server.base_url}/tokenize", json=body, timeout=30,
+                             headers=server.auth_headers)  # fmt: skip
+    assert tokenize.status_code == 200 and tokenize.json()["tokens"], tokenize.text
+    invocation = requests.post(
+        f"{server.base_url}/invocations",
+        json={"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 1},
+        headers=server.auth_headers,
+        timeout=120,
+    )
+    assert invocation.status_code == 200, invocation.text
+    assert requests.get(f"{server.base_url}/version", timeout=30,
+                        headers=server.auth_headers).status_code == 200  # fmt: skip
 
 
 def group_processes(pgid: int) -> dict[int, bytes]:

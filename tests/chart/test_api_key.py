@@ -16,7 +16,7 @@ import pytest
 from arc_operator.models import parse_spec
 from chart_helpers import RELEASE, by_kind, ci_values, helm_template, one, render
 
-from loadtest.replay import API_KEY_ENV
+from loadtest.replay import LOADTEST_API_KEY_ENV
 
 SECRET = f"{RELEASE}-arc-serving-api-key"
 KNOWN_KEY = "k3y-under-test_0123456789~+/="
@@ -72,7 +72,7 @@ def test_a_given_value_is_the_key_and_appears_in_no_other_object() -> None:
     # Every consumer reads the key from the Secret, by reference.
     reference = {"secretKeyRef": {"name": SECRET, "key": "token"}}
     for job in loadtest_jobs(objects):
-        env = container_env(job["spec"]["template"]["spec"], API_KEY_ENV)
+        env = container_env(job["spec"]["template"]["spec"], LOADTEST_API_KEY_ENV)
         assert env is not None and env["valueFrom"] == reference
     # The helm test pod mounts the key as a file (checkov CKV_K8S_35: no secrets in env).
     (volume,) = one(objects, "Pod")["spec"]["volumes"]
@@ -95,7 +95,7 @@ def test_existing_secret_is_referenced_and_no_secret_is_rendered() -> None:
     spec = one(objects, "ServingPolicy")["spec"]
     assert spec["apiKeySecretRef"] == {"name": "team-keys", "key": "vllm.key"}
     for job in loadtest_jobs(objects):
-        env = container_env(job["spec"]["template"]["spec"], API_KEY_ENV)
+        env = container_env(job["spec"]["template"]["spec"], LOADTEST_API_KEY_ENV)
         assert env["valueFrom"] == {"secretKeyRef": {"name": "team-keys", "key": "vllm.key"}}
 
 
@@ -105,7 +105,7 @@ def test_loadtest_against_another_service_takes_its_own_key_secret() -> None:
     jobs = loadtest_jobs(objects)
     assert len(jobs) == 2
     for job in jobs:
-        env = container_env(job["spec"]["template"]["spec"], API_KEY_ENV)
+        env = container_env(job["spec"]["template"]["spec"], LOADTEST_API_KEY_ENV)
         assert env["valueFrom"] == {"secretKeyRef": {"name": "chat-api-key", "key": "token"}}
         args = job["spec"]["template"]["spec"]["containers"][0]["args"]
         assert not any("api-key" in arg or "api_key" in arg for arg in args)
@@ -123,7 +123,7 @@ def test_opting_out_is_explicit_and_leaves_no_key_anywhere() -> None:
     assert spec["allowUnauthenticated"] is True and "apiKeySecretRef" not in spec
     assert parse_spec(spec).allow_unauthenticated
     for job in loadtest_jobs(objects):
-        assert container_env(job["spec"]["template"]["spec"], API_KEY_ENV) is None
+        assert container_env(job["spec"]["template"]["spec"], LOADTEST_API_KEY_ENV) is None
     script = one(objects, "Pod")["spec"]["containers"][0]["args"][0]
     assert "Authorization" not in script
 

@@ -2,7 +2,9 @@
 
 Selectors are checked against the labels the operator really puts on serving pods
 (``arc_operator.manifests``) and the labels the chart really renders on its own pods, with a
-LabelSelector matcher, so a renamed label on either side fails here.
+LabelSelector matcher, so a renamed label on either side fails here. The serving pods' policy
+is the one the operator builds (``manifests.children``) from the settings the rendered operator
+Deployment passes it (``OperatorConfig.from_env`` of its env), for the chart's ServingPolicy.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from typing import Any
 import kubernetes_validate
 import pytest
 from arc_operator import manifests
-from arc_operator.models import parse_spec
+from arc_operator.models import OperatorConfig, parse_spec
 from chart_helpers import CI_VALUES, NAMESPACE, by_kind, ci_values, helm_template, render
 
 K8S_VERSION = "1.35.0"
@@ -56,19 +58,20 @@ def peer_admits(peer: dict[str, Any], namespace: str, pod_labels: dict[str, str]
     return selects(peer.get("podSelector", {}), pod_labels)
 
 
+# A ServingPolicy a user creates outside the chart, named "chat".
+USER_SPEC = {
+    "model": {"name": "m"},
+    "image": "i:1",
+    "policy": "ARC",
+    "cache": {"numBlocks": 512},
+    "maxModelLen": 4096,
+    "allowUnauthenticated": True,
+}
+
+
 def serving_pod_labels() -> dict[str, str]:
     """Labels of a serving pod exactly as the operator builds it."""
-    spec = parse_spec(
-        {
-            "model": {"name": "m"},
-            "image": "i:1",
-            "policy": "ARC",
-            "cache": {"numBlocks": 512},
-            "maxModelLen": 4096,
-            "allowUnauthenticated": True,
-        }
-    )
-    return manifests.pod_template("chat", spec)["metadata"]["labels"]
+    return manifests.pod_template("chat", parse_spec(USER_SPEC))["metadata"]["labels"]
 
 
 def pods(objects: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any], dict[str, Any]]]:
@@ -83,6 +86,41 @@ def pods(objects: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any], dict[
             continue
         found.append((meta["labels"]["app.kubernetes.io/component"], meta, spec))
     return found
+
+
+def operator_config(objects: list[dict[str, Any]]) -> OperatorConfig:
+    """The operator's settings as the rendered operator Deployment's env gives them."""
+    (deployment,) = [
+        obj
+        for obj in by_kind(objects, "Deployment")
+        if obj["metadata"]["labels"]["app.kubernetes.io/component"] == "operator"
+    ]
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    return OperatorConfig.from_env({var["name"]: var["value"] for var in container["env"]})
+
+
+def serving_children(objects: list[dict[str, Any]], namespace: str) -> list[dict[str, Any]]:
+    """The children the operator builds for the chart's ServingPolicy (else the user's "chat")
+    placed in ``namespace``."""
+    servingpolicies = by_kind(objects, "ServingPolicy")
+    name, spec = "chat", parse_spec(USER_SPEC)
+    if servingpolicies:
+        (servingpolicy,) = servingpolicies
+        name, spec = servingpolicy["metadata"]["name"], parse_spec(servingpolicy["spec"])
+    return manifests.children(name, namespace, spec, operator_config(objects).peers())
+
+
+def engine_policy(objects: list[dict[str, Any]], namespace: str = NAMESPACE) -> dict:
+    """The serving pods' NetworkPolicy, as the operator builds it in ``namespace``."""
+    (found,) = by_kind(serving_children(objects, namespace), "NetworkPolicy")
+    kubernetes_validate.validate(found, K8S_VERSION, strict=True)
+    return found
+
+
+def engine_pod_labels(objects: list[dict[str, Any]]) -> dict[str, str]:
+    """The labels of the chart's ServingPolicy's pods, as the operator builds them."""
+    (deployment,) = by_kind(serving_children(objects, NAMESPACE), "Deployment")
+    return deployment["spec"]["template"]["metadata"]["labels"]
 
 
 def policy(objects: list[dict[str, Any]], component: str, namespace: str = NAMESPACE) -> dict:
@@ -128,8 +166,11 @@ def test_every_rendered_pod_is_selected_by_a_network_policy(values: Path) -> Non
 
 
 def test_serving_policy_selects_the_operators_pods_on_their_port_only() -> None:
-    np = policy(render(), "engine")
-    assert selects(np["spec"]["podSelector"], serving_pod_labels())
+    objects = render()
+    np = engine_policy(objects)
+    assert selects(np["spec"]["podSelector"], engine_pod_labels(objects))
+    # Another ServingPolicy's pods have their own policy.
+    assert not selects(np["spec"]["podSelector"], serving_pod_labels())
     assert not selects(np["spec"]["podSelector"], {"app.kubernetes.io/name": "other"})
     assert np["spec"]["policyTypes"] == ["Ingress"]
     assert {p["port"] for rule in np["spec"]["ingress"] for p in rule["ports"]} == {manifests.PORT}
@@ -137,7 +178,7 @@ def test_serving_policy_selects_the_operators_pods_on_their_port_only() -> None:
 
 def test_serving_pods_admit_ingress_prometheus_operator_and_chart_clients_only() -> None:
     objects = render(ci_values("ingress-loadtest-values.yaml"))
-    np = policy(objects, "engine")
+    np = engine_policy(objects)
     chart_pods = {component: meta["labels"] for component, meta, _ in pods(objects)}
     for component in ("operator", "loadtest-master", "loadtest-worker", "test"):
         assert admitted(np, NAMESPACE, chart_pods[component], manifests.PORT), component
@@ -150,6 +191,18 @@ def test_serving_pods_admit_ingress_prometheus_operator_and_chart_clients_only()
     # The chart's own pods are admitted from the release namespace only.
     assert not admitted(np, "elsewhere", chart_pods["operator"], manifests.PORT)
     assert not admitted(np, NAMESPACE, serving_pod_labels(), manifests.PORT)
+    # A ServingPolicy in any other namespace gets the same peers (the operator builds its policy).
+    assert engine_policy(objects, "team-x")["spec"]["ingress"] == np["spec"]["ingress"]
+    assert engine_policy(objects, "team-x")["metadata"]["namespace"] == "team-x"
+
+
+def test_the_chart_renders_no_serving_pod_policy_of_its_own() -> None:
+    for values in CI_VALUES:
+        components = {
+            np["metadata"]["labels"]["app.kubernetes.io/component"]
+            for np in by_kind(render(values), "NetworkPolicy")
+        }
+        assert "engine" not in components, values
 
 
 def test_selectors_come_from_values() -> None:
@@ -158,7 +211,7 @@ def test_selectors_come_from_values() -> None:
         "networkPolicy.ingressController.podSelector.matchLabels.app": "traefik",
         "networkPolicy.extraServingFrom[0].podSelector.matchLabels.app": "chat-ui",
     }
-    np = policy(render(sets=sets), "engine")
+    np = engine_policy(render(sets=sets))
     traefik = {"app": "traefik", "app.kubernetes.io/name": "ingress-nginx"}
     edge = {"kubernetes.io/metadata.name": "ingress-nginx", "team": "edge"}
     assert any(
@@ -189,16 +242,13 @@ def test_operator_accepts_nothing_and_reaches_dns_api_server_and_serving_pods_on
 def test_confined_operator_and_serving_policies_follow_watched_namespaces() -> None:
     objects = render(ci_values("namespaced-values.yaml"))
     for namespace in ("team-a", "team-b"):
-        np = policy(objects, "engine", namespace)
-        assert selects(np["spec"]["podSelector"], serving_pod_labels())
+        np = engine_policy(objects, namespace)
+        assert np["metadata"]["namespace"] == namespace
         assert admitted(np, namespace, {"app.kubernetes.io/name": "prometheus"}, 8000) is False
         assert admitted(np, "monitoring", {"app.kubernetes.io/name": "prometheus"}, 8000)
-    # The release namespace is not watched: no serving pods to protect there.
-    assert not [
-        np
-        for np in by_kind(objects, "NetworkPolicy")
-        if np["metadata"]["name"].endswith("engine") and np["metadata"]["namespace"] == NAMESPACE
-    ]
+        # The operator's own pods (release namespace) still reach the watched namespaces.
+        operator_pod = {c: m["labels"] for c, m, _ in pods(objects)}["operator"]
+        assert admitted(np, NAMESPACE, operator_pod, manifests.PORT)
     egress = policy(objects, "operator")["spec"]["egress"]
     (serving_rule,) = [rule for rule in egress if rule["ports"][0]["port"] == manifests.PORT]
     (peer,) = serving_rule["to"]
@@ -219,7 +269,11 @@ def test_api_server_addresses_and_ports_come_from_values() -> None:
 
 
 def test_network_policies_can_be_switched_off() -> None:
-    assert not by_kind(render(sets={"networkPolicy.enabled": "false"}), "NetworkPolicy")
+    objects = render(sets={"networkPolicy.enabled": "false"})
+    assert not by_kind(objects, "NetworkPolicy")
+    # The operator is told too: it gives the serving pods none.
+    assert operator_config(objects).peers() is None
+    assert not by_kind(serving_children(objects, NAMESPACE), "NetworkPolicy")
 
 
 @pytest.mark.parametrize("values", CI_VALUES, ids=lambda path: Path(path).stem)
@@ -300,3 +354,17 @@ def test_schema_rejects_bad_hardening_values(sets: dict[str, str], message: str)
     result = helm_template(sets=sets)
     assert result.returncode != 0, f"{sets} was accepted"
     assert message in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("values", CI_VALUES, ids=lambda path: Path(path).stem)
+def test_checkov_skip_annotations_render_without_blank_lines(values: Path) -> None:
+    result = helm_template(values)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    skip_blocks = [
+        index for index, line in enumerate(lines) if line.strip().startswith("checkov.io/skip1:")
+    ]
+    assert skip_blocks
+    for index in skip_blocks:
+        # The first skip follows its annotations: key (or a sibling annotation) directly.
+        assert lines[index - 1].strip(), f"blank line before: {lines[index]}"

@@ -6,6 +6,7 @@ unknown fields fail); the ServingPolicy against the operator's CRD schema and it
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Any
@@ -148,7 +149,7 @@ def test_default_servingpolicy_reflects_values() -> None:
 def test_cpu_variant_sizes_the_cache_in_blocks() -> None:
     spec = one(render(ci_values("cpu-values.yaml")), "ServingPolicy")["spec"]
     assert spec["cache"] == {"blockSize": 32, "numBlocks": 256}
-    assert spec["resources"] == {"gpus": 0, "cpu": "2", "memory": "8Gi"}
+    assert spec["resources"] == {"gpus": 0, "cpu": "2", "memory": "8Gi", "homeSizeLimit": "16Gi"}
     assert spec["env"][1]["valueFrom"]["secretKeyRef"] == {"name": "hf-token", "key": "token"}
 
 
@@ -173,7 +174,10 @@ def test_operator_watches_all_namespaces_with_a_cluster_role() -> None:
     assert "--all-namespaces" in container["args"]
     # ARC_OPERATOR_METRICS_PORT is left at its default, the engine pods' port.
     env = {var["name"]: var["value"] for var in container["env"]}
-    assert env == {"ARC_OPERATOR_STATUS_INTERVAL": "30"}
+    # The serving pods' NetworkPolicy peers (tests/chart/test_network_policy.py checks them).
+    peers = json.loads(env.pop("ARC_OPERATOR_SERVING_PEERS"))
+    assert len(peers) == 3
+    assert env == {"ARC_OPERATOR_STATUS_INTERVAL": "30", "ARC_OPERATOR_NETWORK_POLICY": "true"}
     rules = yaml.safe_load(RBAC_FILE.read_text(encoding="utf-8"))
     assert one(objects, "ClusterRole")["rules"] == rules
     binding = one(objects, "ClusterRoleBinding")
@@ -248,7 +252,7 @@ def test_ingress_without_host_matches_every_host() -> None:
     assert "tls" not in ingress["spec"]
 
 
-def test_loadtest_master_and_workers_replay_the_trace_against_the_ingress(
+def test_loadtest_master_and_workers_replay_the_trace_against_the_service_not_the_ingress(
     tmp_path: Path,
 ) -> None:
     values = ci_values("ingress-loadtest-values.yaml")
@@ -265,7 +269,8 @@ def test_loadtest_master_and_workers_replay_the_trace_against_the_ingress(
         "--master",
         "--headless",
         "--expect-workers=3",
-        "--host=https://llm.example.com",
+        # The ingress routes only /v1: the load test also needs /tokenize and /metrics.
+        f"--host=http://{RELEASE}-arc-serving.{NAMESPACE}.svc:{PORT}",
         "--run-time=15m",
         "--users=16",
         "--trace=/trace/trace.jsonl",
@@ -314,6 +319,17 @@ def test_loadtest_without_ingress_targets_the_serving_service() -> None:
     master = next(j for j in by_kind(objects, "Job") if "lt-master" in j["metadata"]["name"])
     args = master["spec"]["template"]["spec"]["containers"][0]["args"]
     assert f"--host=http://{RELEASE}-arc-serving.{NAMESPACE}.svc:{PORT}" in args
+
+
+def test_loadtest_host_set_explicitly_wins_over_the_service() -> None:
+    sets = {"loadtest.enabled": "true", "loadtest.trace.existingConfigMap": "t",
+            "ingress.enabled": "true", "ingress.host": "llm.example.com",
+            "loadtest.host": "https://llm.example.com"}  # fmt: skip
+    master = next(
+        j for j in by_kind(render(sets=sets), "Job") if "lt-master" in j["metadata"]["name"]
+    )
+    args = master["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--host=https://llm.example.com" in args
 
 
 def test_new_run_id_replaces_the_loadtest_jobs() -> None:

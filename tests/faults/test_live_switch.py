@@ -4,7 +4,9 @@ A thread rewrites the policy file (as a ConfigMap update does: a new file swappe
 ``SWITCH_EVERY_S`` seconds through every policy while the replay runs. Shown: no request
 fails, the engine applies every switch written (its log and the switch counter), and no
 resident block is lost at any switch (the plugin logs, per switch, the resident blocks
-before it and how many of them the new policy holds).
+before it and how many of them the new policy holds, and the blocks vLLM's own prefix-cache
+map holds and how many of those the new policy holds); after the switches, a prompt of the
+replay sent again still hits the cache.
 """
 
 from __future__ import annotations
@@ -22,8 +24,11 @@ import pytest
 import requests
 
 from arc_evictor.tinymodel import build_tiny_llama
+from arc_evictor.traces import read_trace
 from arc_evictor.vllm_server import VllmServer
 from loadtest.run import run_replay
+from loadtest.stream import completion_body
+from loadtest.tokens import TokenMapper, vocabulary_from_tokenizer
 from tests.faults.serving import BLOCK_TOKENS, docqa_trace, metric_sum
 
 pytestmark = [pytest.mark.vllm, pytest.mark.locust, pytest.mark.slow]
@@ -37,7 +42,8 @@ FIRST_POLICY = "lru"
 CYCLE = ["arc", "s3fifo", "sieve", "dbl", "trio", "lru"]
 SWITCH_LINE = re.compile(
     r"policy switch (?P<old>\S+) -> (?P<new>\S+): (?P<kept>\d+) of (?P<before>\d+) "
-    r"resident blocks kept"
+    r"resident blocks kept; vLLM's prefix cache: (?P<tracked>\d+) of (?P<cached>\d+) cached "
+    r"blocks resident"
 )
 
 
@@ -122,15 +128,33 @@ def test_live_switches_lose_no_request_and_no_block(
     lines = [m.groupdict() for m in SWITCH_LINE.finditer(server.log_tail(100_000))]
     assert [line["new"].split("-")[0] for line in lines] == written
     assert lines[0]["old"].split("-")[0] == FIRST_POLICY
-    # No resident block lost: each switch kept every block that was resident before it.
+    # No resident block lost: each switch kept every block that was resident before it, and,
+    # counted in vLLM's own prefix-cache map (what a request can hit), every block vLLM
+    # caches is resident in the new policy and none resident is missing from vLLM's map.
     for line in lines:
         assert int(line["kept"]) == int(line["before"]), line
-    assert all(int(line["before"]) > 0 for line in lines)  # there was something to lose
+        assert int(line["tracked"]) == int(line["cached"]) == int(line["before"]), line
+    assert all(int(line["cached"]) > 0 for line in lines)  # there was something to lose
     # The engine reports the last policy written as the active one.
-    metrics = requests.get(f"{server.base_url}/metrics", timeout=10).text
-    assert f'arc_evictor_policy_info{{policy="{written[-1]}"}} 1.0' in metrics
+    metrics = requests.get(f"{server.base_url}/metrics", timeout=10, headers=server.auth_headers)
+    assert f'arc_evictor_policy_info{{policy="{written[-1]}"}} 1.0' in metrics.text
+    # The cache still serves hits after the switches: the trace's last prompt, sent again
+    # (same tokens: the load test's mapping, seed and vocabulary), hits every full block but
+    # the one holding its last token (vLLM computes that one anyway).
+    last = list(read_trace(trace, block_tokens=BLOCK_TOKENS))[-1]
+    mapper = TokenMapper(vocabulary_from_tokenizer(model_dir), seed=0, block_tokens=BLOCK_TOKENS)
+    prompt = mapper.prompt(last.hash_ids, last.input_length)
+    hits_before = metric_sum(server, "vllm:prefix_cache_hits_total")
+    body = completion_body(server.served_model_name, prompt, 1) | {"stream": False}
+    del body["stream_options"]
+    answer = requests.post(f"{server.base_url}/v1/completions", json=body, timeout=120,
+                           headers=server.auth_headers)  # fmt: skip
+    assert answer.status_code == 200, answer.text
+    hit_tokens = metric_sum(server, "vllm:prefix_cache_hits_total") - hits_before
+    assert hit_tokens >= (len(prompt) - 1) // BLOCK_TOKENS * BLOCK_TOKENS > 0, hit_tokens
     print(
         f"live switch: {len(written)} switches written, {int(applied)} applied; "
         f"{summary['requests_ok']} requests ok, {summary['requests_failed']} failed; "
-        f"resident blocks kept per switch: {[int(line['before']) for line in lines]}"
+        f"resident blocks kept per switch: {[int(line['before']) for line in lines]}; "
+        f"the last prompt re-sent hit {int(hit_tokens)} of {len(prompt)} tokens"
     )

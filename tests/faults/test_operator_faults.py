@@ -20,6 +20,7 @@ from tests.operator.conftest import (
     CONFIGMAPS,
     DEPLOYMENTS,
     NAMESPACE,
+    NETWORKPOLICIES,
     SERVICES,
     SP_RESOURCE,
     eventually,
@@ -34,9 +35,10 @@ SP_PATH = f"/apis/arcserving.io/v1alpha1/namespaces/{NAMESPACE}/servingpolicies"
 CHILDREN = [
     (DEPLOYMENTS, f"/apis/apps/v1/namespaces/{NAMESPACE}/deployments", "demo"),
     (SERVICES, f"/api/v1/namespaces/{NAMESPACE}/services", "demo"),
+    (NETWORKPOLICIES, f"/apis/networking.k8s.io/v1/namespaces/{NAMESPACE}/networkpolicies", "demo"),
     (CONFIGMAPS, f"/api/v1/namespaces/{NAMESPACE}/configmaps", "demo-policy"),
 ]
-# The bound on a recreation: an event round trip and three API calls on this machine take
+# The bound on a recreation: an event round trip and a few API calls on this machine take
 # well under a second; the timer (parked at an hour) would take 3600 s.
 RECREATE_BOUND_S = 5.0
 # Fields the API server (here kmock) sets on each stored copy; the rest must come back equal.
@@ -107,7 +109,7 @@ async def test_deleted_children_are_recreated_by_the_event_handler(
     await create_sp(cluster, "demo", make_spec(policy="ARC"))
     before = await wait_for_children(cluster)
     deletions = recreations = 0
-    # Each child alone, then all three at once.
+    # Each child alone, then all of them at once.
     for batch in [[child] for child in CHILDREN] + [CHILDREN]:
         posts = {resource: operator_writes(cluster, resource, "POST") for resource, _, _ in batch}
         started = time.monotonic()
@@ -123,7 +125,7 @@ async def test_deleted_children_are_recreated_by_the_event_handler(
             assert operator_writes(cluster, resource, "POST") == posts[resource] + 1
             recreations += 1
         assert time.monotonic() - started < RECREATE_BOUND_S
-    assert (deletions, recreations) == (6, 6)
+    assert deletions == recreations == 2 * len(CHILDREN)
     for resource, _, name in CHILDREN:
         assert owned(cluster, resource, "uid-demo") == [name]
 

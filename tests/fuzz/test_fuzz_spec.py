@@ -124,8 +124,9 @@ def check_agreement(spec: Any) -> Any:
         known = [rule for rule in OPERATOR_ONLY if re.search(rule, problem)]
         assert known, (spec, problem)
     if model is not None:
-        children = manifests.children("fuzz", "serving", model)
-        assert [child["kind"] for child in children] == ["Deployment", "Service", "ConfigMap"]
+        children = manifests.children("fuzz", "serving", model, [])
+        kinds = [child["kind"] for child in children]
+        assert kinds == ["Deployment", "Service", "NetworkPolicy", "ConfigMap"]
     return model
 
 
@@ -217,7 +218,8 @@ accepted = schema_specs().map(lambda spec: judge(spec)[0]).filter(lambda m: m is
 @fuzz_settings(200)
 def test_accepted_specs_make_children_kubernetes_accepts(model: Any) -> None:
     count("spec: children through kubernetes-validate")
-    for child in manifests.children("fuzz", "serving", model):
+    # One peer, so the NetworkPolicy's ingress rule is validated too.
+    for child in manifests.children("fuzz", "serving", model, [{"podSelector": {}}]):
         kubernetes_validate.validate(json.loads(json.dumps(child)), K8S_VERSION, strict=True)
 
 

@@ -28,10 +28,18 @@ SP_RESOURCE = kmock.resource(GROUP, VERSION, PLURAL)
 DEPLOYMENTS = kmock.resource("apps", "v1", "deployments")
 SERVICES = kmock.resource("", "v1", "services")
 CONFIGMAPS = kmock.resource("", "v1", "configmaps")
+NETWORKPOLICIES = kmock.resource("networking.k8s.io", "v1", "networkpolicies")
 PODS = kmock.resource("", "v1", "pods")
 EVENTS = kmock.resource("", "v1", "events")
 # Fast timer for tests; the default (30 s) is what clusters use.
 STATUS_INTERVAL_S = 0.3
+# The peers the operator admits to the serving pods, as the chart configures them.
+SERVING_PEERS = [
+    {
+        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
+        "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}},
+    }
+]
 
 
 def make_spec(**overrides: Any) -> dict[str, Any]:
@@ -142,6 +150,7 @@ def cluster(kmock: kmock.KubernetesEmulator, tmp_path: Path, monkeypatch: pytest
         (DEPLOYMENTS, "Deployment"),
         (SERVICES, "Service"),
         (CONFIGMAPS, "ConfigMap"),
+        (NETWORKPOLICIES, "NetworkPolicy"),
         (PODS, "Pod"),
         (EVENTS, "Event"),
     ]:
@@ -181,6 +190,8 @@ class RunningOperator:
         self.config = config
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
+        # The operator-wide memo of the current run (handlers keep their Runtime in it).
+        self.memo = kopf.Memo()
 
     def _run(self, ready: threading.Event) -> None:
         registry = kopf.OperatorRegistry()
@@ -192,12 +203,13 @@ class RunningOperator:
                 clusterwide=True,
                 stop_flag=self._stop,
                 ready_flag=ready,
-                memo=kopf.Memo(),
+                memo=self.memo,
             )
         )
 
     async def start(self) -> None:
         self._stop = threading.Event()
+        self.memo = kopf.Memo()
         ready = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(ready,), daemon=True)
         self._thread.start()
@@ -214,7 +226,13 @@ class RunningOperator:
 @pytest_asyncio.fixture
 async def operator(cluster, pod_metrics: PodMetricsServer) -> AsyncIterator[RunningOperator]:
     running = RunningOperator(
-        OperatorConfig(metrics_port=pod_metrics.port, status_interval=STATUS_INTERVAL_S)
+        OperatorConfig.model_validate(
+            {
+                "metrics_port": pod_metrics.port,
+                "status_interval": STATUS_INTERVAL_S,
+                "serving_peers": SERVING_PEERS,
+            }
+        )
     )
     await running.start()
     yield running

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from decimal import Decimal
 from pathlib import Path
 
@@ -17,6 +18,14 @@ from tests.operator.conftest import make_spec
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S_VERSION = "1.33"
+# Peers as the chart passes them: a namespace-and-pod pair and an address block.
+PEERS = [
+    {
+        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "ingress-nginx"}},
+        "podSelector": {"matchLabels": {"app.kubernetes.io/name": "ingress-nginx"}},
+    },
+    {"ipBlock": {"cidr": "10.0.0.0/8", "except": ["10.1.0.0/16"]}},
+]
 
 
 def test_valid_spec_parses_with_defaults() -> None:
@@ -87,7 +96,7 @@ def test_children_validate_against_kubernetes_schemas(mode: str, cache: dict) ->
             env=[{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "t"}}}],
         )
     )
-    for child in manifests.children("demo", "serving", spec):
+    for child in manifests.children("demo", "serving", spec, PEERS):
         kubernetes_validate.validate(child, K8S_VERSION, strict=True)
 
 
@@ -131,7 +140,8 @@ def test_restart_pods_take_the_policy_from_env_and_never_read_the_configmap() ->
 
 def test_the_deployment_is_applied_before_the_policy_configmap() -> None:
     kinds = [
-        child["kind"] for child in manifests.children("demo", "serving", parse_spec(make_spec()))
+        child["kind"]
+        for child in manifests.children("demo", "serving", parse_spec(make_spec()), PEERS)
     ]
     assert kinds.index("Deployment") < kinds.index("ConfigMap")
 
@@ -186,7 +196,7 @@ def test_deployment_args_follow_the_spec() -> None:
 
 def test_manifests_are_pure_functions_of_the_spec() -> None:
     spec = parse_spec(make_spec())
-    assert manifests.children("a", "ns", spec) == manifests.children("a", "ns", spec)
+    assert manifests.children("a", "ns", spec, PEERS) == manifests.children("a", "ns", spec, PEERS)
 
 
 def test_crd_validates_and_matches_the_committed_file() -> None:
@@ -245,5 +255,82 @@ def test_opting_out_of_authentication_is_explicit_and_sets_no_key() -> None:
 
 def test_api_key_ref_is_in_no_configmap() -> None:
     spec = parse_spec(make_spec(apiKeySecretRef={"name": "demo-keys", "key": "k1"}))
-    (configmap,) = [c for c in manifests.children("demo", "ns", spec) if c["kind"] == "ConfigMap"]
+    (configmap,) = [
+        c for c in manifests.children("demo", "ns", spec, PEERS) if c["kind"] == "ConfigMap"
+    ]
     assert "demo-keys" not in str(configmap) and "VLLM_API_KEY" not in str(configmap)
+
+
+# --- the serving pods' NetworkPolicy, telemetry, scanner annotations --------------------------
+
+
+def test_network_policy_admits_only_the_peers_on_port_8000() -> None:
+    spec = parse_spec(make_spec())
+    children = manifests.children("demo", "serving", spec, PEERS)
+    (policy,) = [c for c in children if c["kind"] == "NetworkPolicy"]
+    (deployment,) = [c for c in children if c["kind"] == "Deployment"]
+    assert policy["metadata"]["namespace"] == "serving"
+    # It selects exactly this ServingPolicy's pods.
+    selector = policy["spec"]["podSelector"]["matchLabels"]
+    assert selector == deployment["spec"]["selector"]["matchLabels"]
+    assert selector.items() <= deployment["spec"]["template"]["metadata"]["labels"].items()
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    assert policy["spec"]["ingress"] == [
+        {"ports": [{"port": 8000, "protocol": "TCP"}], "from": PEERS}
+    ]
+    kubernetes_validate.validate(policy, K8S_VERSION, strict=True)
+
+
+def test_no_peers_admit_nothing_and_the_opt_out_makes_no_policy() -> None:
+    spec = parse_spec(make_spec())
+    (policy,) = [
+        c for c in manifests.children("demo", "ns", spec, []) if c["kind"] == "NetworkPolicy"
+    ]
+    assert policy["spec"]["ingress"] == [] and policy["spec"]["policyTypes"] == ["Ingress"]
+    kubernetes_validate.validate(policy, K8S_VERSION, strict=True)
+    kinds = [c["kind"] for c in manifests.children("demo", "ns", spec, None)]
+    assert kinds == ["Deployment", "Service", "ConfigMap"]
+
+
+def test_operator_settings_carry_validated_peers() -> None:
+    config = OperatorConfig.from_env({"ARC_OPERATOR_SERVING_PEERS": json.dumps(PEERS)})
+    assert config.peers() == PEERS
+    assert OperatorConfig.from_env({}).peers() == []
+    off = {"ARC_OPERATOR_NETWORK_POLICY": "false", "ARC_OPERATOR_SERVING_PEERS": "[]"}
+    assert OperatorConfig.from_env(off).peers() is None
+
+
+@pytest.mark.parametrize(
+    ("value", "problem"),
+    [
+        ("not json", "not a JSON list of NetworkPolicyPeer"),
+        ('{"podSelector": {}}', "valid tuple"),
+        ("[{}]", "podSelector and/or namespaceSelector, or ipBlock alone"),
+        ('[{"podSelector": {}, "ipBlock": {"cidr": "10.0.0.0/8"}}]', "ipBlock alone"),
+        ('[{"podSelector": {"matchLabel": {}}}]', "[0][podSelector][matchLabel]: Extra inputs"),
+        ('[{"podSelector": {"matchExpressions": [{"key": "a", "operator": "Is"}]}}]', "pattern"),
+    ],
+)
+def test_bad_peers_stop_the_operator_naming_the_variable(value: str, problem: str) -> None:
+    with pytest.raises(SpecError, match=r"ARC_OPERATOR_SERVING_PEERS=") as error:
+        OperatorConfig.from_env({"ARC_OPERATOR_SERVING_PEERS": value})
+    assert problem in str(error.value)
+
+
+def test_serving_pods_send_no_usage_telemetry() -> None:
+    container = engine_container(make_spec())
+    env = {var["name"]: var.get("value") for var in container["env"]}
+    assert env["VLLM_NO_USAGE_STATS"] == "1" and env["DO_NOT_TRACK"] == "1"
+    with pytest.raises(SpecError, match="VLLM_NO_USAGE_STATS"):
+        parse_spec(make_spec(env=[{"name": "VLLM_NO_USAGE_STATS", "value": "0"}]))
+
+
+def test_deployment_skips_are_annotated_with_reasons_and_digest_pins_need_none() -> None:
+    tagged = manifests.deployment("demo", "ns", parse_spec(make_spec()))["metadata"]
+    checks = {v.split("=", 1)[0] for v in tagged["annotations"].values()}
+    assert checks == {"CKV_K8S_15", "CKV_K8S_35", "CKV_K8S_43"}
+    assert all(len(v.split("=", 1)[1]) > 20 for v in tagged["annotations"].values())
+    pinned_image = "ghcr.io/arc-serving/vllm@sha256:" + "0" * 64
+    pinned = manifests.deployment("demo", "ns", parse_spec(make_spec(image=pinned_image)))
+    checks = {v.split("=", 1)[0] for v in pinned["metadata"]["annotations"].values()}
+    assert checks == {"CKV_K8S_15", "CKV_K8S_35"}

@@ -13,12 +13,15 @@ from typing import Any
 
 import pytest
 from arc_operator import rbac
+from arc_operator.handlers import CHILD_KINDS
 
 from tests.operator.conftest import (
     CONFIGMAPS,
     DEPLOYMENTS,
     NAMESPACE,
+    NETWORKPOLICIES,
     SERVICES,
+    SERVING_PEERS,
     SP_RESOURCE,
     STATUS_INTERVAL_S,
     eventually,
@@ -109,12 +112,19 @@ async def test_create_makes_owned_children_with_policy_config(cluster, operator)
     deployment = await eventually(lambda: stored(cluster, DEPLOYMENTS, "demo"))
     configmap = await eventually(lambda: stored(cluster, CONFIGMAPS, "demo-policy"))
     service = await eventually(lambda: stored(cluster, SERVICES, "demo"))
-    for child in (deployment, configmap, service):
+    policy = await eventually(lambda: stored(cluster, NETWORKPOLICIES, "demo"))
+    for child in (deployment, configmap, service, policy):
         (owner,) = child["metadata"]["ownerReferences"]
         assert owner["uid"] == "uid-demo" and owner["kind"] == "ServingPolicy"
         assert owner["controller"] is True
     assert json.loads(configmap["data"]["policy.json"]) == {"policy": "arc"}
     assert service["spec"]["ports"] == [{"name": "http", "port": 8000, "targetPort": "http"}]
+    # The serving pods admit only the configured peers, on port 8000.
+    pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert policy["spec"]["podSelector"]["matchLabels"].items() <= pod_labels.items()
+    assert policy["spec"]["ingress"] == [
+        {"ports": [{"port": 8000, "protocol": "TCP"}], "from": SERVING_PEERS}
+    ]
     await eventually(lambda: status_of(cluster, "demo").get("observedGeneration") == 1)
     assert condition(cluster, "demo", "Valid")["status"] == "True"
     assert condition(cluster, "demo", "Ready")["reason"] == "RolloutInProgress"
@@ -243,7 +253,8 @@ async def test_server_canonical_forms_are_not_reapplied(cluster, operator) -> No
     template = template_of(cluster, "demo")
     (container,) = template["spec"]["containers"]
     assert container["resources"]["requests"]["cpu"] == "0.5"
-    container["resources"] = {"requests": {"cpu": "500m"}, "limits": {"cpu": "500m"}}
+    stored_form = {"cpu": "500m", "memory": "32Gi"}
+    container["resources"] = {"requests": stored_form, "limits": stored_form}
     container["env"] = [
         {"name": var["name"]} if var.get("value") == "" else var for var in container["env"]
     ]
@@ -257,9 +268,10 @@ async def test_server_canonical_forms_are_not_reapplied(cluster, operator) -> No
     # Several timer passes later, nothing was re-applied.
     await asyncio.sleep(6 * STATUS_INTERVAL_S)
     assert writes_to(cluster, DEPLOYMENTS, "PATCH") == patches
-    assert template_of(cluster, "demo")["spec"]["containers"][0]["resources"]["requests"] == {
-        "cpu": "500m"
-    }
+    assert (
+        template_of(cluster, "demo")["spec"]["containers"][0]["resources"]["requests"]
+        == stored_form
+    )
 
 
 async def test_invalid_spec_sets_valid_false_and_changes_nothing(cluster, operator) -> None:
@@ -304,11 +316,22 @@ async def test_invalid_spec_sets_valid_false_and_changes_nothing(cluster, operat
 async def test_deleting_the_policy_leaves_cleanup_to_owner_references(cluster, operator) -> None:
     await create_sp(cluster, "demo", make_spec())
     await eventually(lambda: stored(cluster, DEPLOYMENTS, "demo"))
+    runtime = operator.memo["runtime"]
+    # One lock per policy, reused by every pass (not a new one per call).
+    assert runtime.lock(NAMESPACE, "demo") is runtime.lock(NAMESPACE, "demo")
+    assert (NAMESPACE, "demo") in runtime.locks
     response = await cluster.delete(f"{SP_PATH}/demo")
     assert response.status == 200, await response.text()
     await eventually(lambda: stored(cluster, SP_RESOURCE, "demo") is None)
+    # The deleted policy's lock is dropped, so locks do not pile up over the operator's life.
+    await eventually(lambda: (NAMESPACE, "demo") not in runtime.locks)
     # kmock has no garbage collector; in a cluster it deletes these through their owner.
-    for resource, name in [(DEPLOYMENTS, "demo"), (SERVICES, "demo"), (CONFIGMAPS, "demo-policy")]:
+    for resource, name in [
+        (DEPLOYMENTS, "demo"),
+        (SERVICES, "demo"),
+        (NETWORKPOLICIES, "demo"),
+        (CONFIGMAPS, "demo-policy"),
+    ]:
         (owner,) = stored(cluster, resource, name)["metadata"]["ownerReferences"]
         assert owner["uid"] == "uid-demo" and owner["blockOwnerDeletion"] is True
     assert writes_to(cluster, DEPLOYMENTS, "DELETE") == 0
@@ -338,8 +361,10 @@ async def test_operator_restart_resumes_without_duplicates(cluster, operator) ->
 async def drift_and_repair(cluster) -> None:
     """Edit the children behind the operator's back; its timer puts them back."""
     await eventually(lambda: stored(cluster, CONFIGMAPS, "demo-policy"))  # the last child
+    policy_path = f"/apis/networking.k8s.io/v1/namespaces/{NAMESPACE}/networkpolicies/demo"
     for path, change in [
         (f"/api/v1/namespaces/{NAMESPACE}/services/demo", {"spec": {"ports": []}}),
+        (policy_path, {"spec": {"ingress": [{}]}}),
         (f"/apis/apps/v1/namespaces/{NAMESPACE}/deployments/demo", {"spec": {"replicas": 7}}),
     ]:
         response = await cluster.patch(
@@ -347,6 +372,9 @@ async def drift_and_repair(cluster) -> None:
         )
         assert response.status == 200, await response.text()
     await eventually(lambda: stored(cluster, SERVICES, "demo")["spec"]["ports"] != [])
+    await eventually(
+        lambda: stored(cluster, NETWORKPOLICIES, "demo")["spec"]["ingress"][0].get("from")
+    )
     await eventually(lambda: stored(cluster, DEPLOYMENTS, "demo")["spec"]["replicas"] == 1)
 
 
@@ -436,3 +464,27 @@ async def test_pods_take_the_api_key_from_the_secret_and_the_operator_never_read
     assert not any(
         getattr(request.resource, "plural", None) == "secrets" for request in list(cluster)
     )
+
+
+async def test_child_watches_ask_the_server_for_managed_objects_only(cluster, operator) -> None:
+    await create_sp(cluster, "demo", make_spec())
+    await eventually(lambda: stored(cluster, CONFIGMAPS, "demo-policy"))
+    watched: dict[str, set[str]] = {}
+    for request in list(cluster):
+        if (
+            request.resource is None
+            or request.action is None
+            or request.action.value.lower() not in {"list", "watch"}
+            or "kmock" in request.headers.get("User-Agent", "")
+        ):
+            continue
+        watched.setdefault(request.resource.plural, set()).add(
+            request.params.get("labelSelector", "")
+        )
+    # Every child kind is listed and watched only with the operator's managed-by selector, so
+    # the API server never streams other applications' Deployments, Services or ConfigMaps.
+    for _, _, plural in CHILD_KINDS:
+        assert watched.get(plural) == {"app.kubernetes.io/managed-by=arc-serving-operator"}, (
+            plural,
+            watched.get(plural),
+        )

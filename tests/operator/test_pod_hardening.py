@@ -21,10 +21,10 @@ from typing import Any
 import pytest
 from arc_operator import manifests
 from arc_operator.models import OWNED_ENV, WRITABLE_DIR_ENV, SpecError, parse_spec
-from conftest import make_spec
 
 from arc_evictor.tinymodel import build_tiny_llama
 from arc_evictor.vllm_server import VllmServer
+from tests.operator.conftest import make_spec
 
 ROOT = Path(__file__).resolve().parents[2]
 AUDIT_DIR = Path(__file__).resolve().parent / "write_audit"
@@ -111,10 +111,21 @@ def test_directory_variables_are_owned_by_the_operator() -> None:
         )
 
 
-def test_unset_cpu_and_memory_leave_requests_to_the_namespace() -> None:
+def test_unset_cpu_and_memory_get_the_defaults_so_no_pod_runs_unbounded() -> None:
     spec = parse_spec(make_spec(resources={"gpus": 0}))
-    container = container_of(manifests.pod_template("demo", spec))
-    assert container["resources"] == {}
+    template = manifests.pod_template("demo", spec)
+    assert container_of(template)["resources"] == {
+        "requests": {"cpu": "4", "memory": "32Gi"},
+        "limits": {"cpu": "4", "memory": "32Gi"},
+    }
+    # HOME (model downloads, caches) is capped too: the default, or the spec's value.
+    volumes = {volume["name"]: volume for volume in template["spec"]["volumes"]}
+    assert volumes["home"]["emptyDir"] == {"sizeLimit": "64Gi"}
+    sized_home = parse_spec(make_spec(resources={"gpus": 0, "homeSizeLimit": "20Gi"}))
+    volumes = {v["name"]: v for v in manifests.pod_template("demo", sized_home)["spec"]["volumes"]}
+    assert volumes["home"]["emptyDir"] == {"sizeLimit": "20Gi"}
+    with pytest.raises(SpecError, match=r"spec\.resources\.homeSizeLimit"):
+        parse_spec(make_spec(resources={"gpus": 0, "homeSizeLimit": "lots"}))
     sized = container_of(pod())["resources"]
     assert sized["requests"] == {"cpu": "4", "memory": "16Gi"}
     assert sized["limits"] == {"cpu": "4", "memory": "16Gi", "nvidia.com/gpu": "1"}

@@ -24,6 +24,7 @@ def test_register_checks_the_version_before_importing_the_adapter(
 ) -> None:
     monkeypatch.setenv("ARC_EVICTOR_POLICY", "lru")
     monkeypatch.delenv("ARC_EVICTOR_CONFIG", raising=False)
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
     monkeypatch.setattr(plugin, "_runtime", None)
     # Importing the adapter now fails, as it may on another vLLM whose internals moved.
     monkeypatch.delattr(plugin, "adapter")
@@ -44,7 +45,33 @@ def test_register_checks_the_version_before_importing_the_adapter(
 def test_register_does_nothing_without_settings(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("ARC_EVICTOR_POLICY", raising=False)
     monkeypatch.delenv("ARC_EVICTOR_CONFIG", raising=False)
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
     monkeypatch.setattr(plugin, "_runtime", None)
     monkeypatch.setattr(vllm, "__version__", "0.31.1")  # not even checked
     plugin.register()
     assert plugin._runtime is None
+
+
+def test_an_api_key_alone_installs_the_guard_on_the_supported_vllm_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from vllm.entrypoints.serve.middleware.authenticate import AuthenticationMiddleware
+
+    from arc_evictor.vllm_plugin import adapter
+
+    # Restored at teardown: the patch is process-wide.
+    monkeypatch.setattr(AuthenticationMiddleware, "__call__", AuthenticationMiddleware.__call__)
+    monkeypatch.delenv("ARC_EVICTOR_POLICY", raising=False)
+    monkeypatch.delenv("ARC_EVICTOR_CONFIG", raising=False)
+    monkeypatch.setenv("VLLM_API_KEY", "k")
+    monkeypatch.setattr(plugin, "_runtime", None)
+    monkeypatch.setattr(plugin, "_guarded", False)
+    # Another vLLM: start-up stops rather than serve with vLLM's narrower guard.
+    monkeypatch.setattr(vllm, "__version__", "0.31.1")
+    with pytest.raises(UnsupportedVllmError, match=r"found vLLM 0\.31\.1"):
+        plugin.register()
+    assert AuthenticationMiddleware.__call__ is not adapter._guard_every_path
+    monkeypatch.setattr(vllm, "__version__", "0.32.0")
+    plugin.register()
+    assert AuthenticationMiddleware.__call__ is adapter._guard_every_path
+    assert plugin._runtime is None  # no policy settings: the block pool is vLLM's own

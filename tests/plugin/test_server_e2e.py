@@ -166,6 +166,16 @@ def test_live_switch_under_load_then_arc_protects_a_reused_prefix(
     assert value(m, "arc_evictor_policy_info", policy="lru") == 0
     assert value(m, "arc_evictor_policy_switches_total") == 1
 
+    # A fresh ARC (p = 0, no ghosts) for the protection check: the load above preempts and
+    # recomputes requests, and the ghost hits that causes move p by amounts that depend on
+    # timing, so p could let a scan reach T2. Switching away and back rebuilds the policy.
+    for name, seed in (("lru", 600), ("arc", 601)):
+        config_file.write_text(json.dumps({"policy": name}))
+        time.sleep(0.3)  # past the poll interval: the next request's steps switch
+        complete(server, prompt(seed, 1))
+        wait_for(server, lambda m, name=name: value(m, "arc_evictor_policy_info", policy=name) == 1)
+    assert value(metrics(server), "arc_evictor_policy_switches_total") == 3
+
     # Under ARC a prefix used twice moves to T2 and survives a one-time scan that LRU
     # would let evict it: the scan only replaces T1.
     hot = prompt(300, 3)

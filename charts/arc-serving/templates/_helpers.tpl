@@ -152,14 +152,13 @@ The served model name clients put in requests: servedName, else the model name i
 {{- end }}
 
 {{/*
-Base URL the load test replays against: loadtest.host, else the ingress (scheme from TLS),
-else the serving Service inside the cluster.
+Base URL the load test replays against: loadtest.host when set, else always the serving
+Service inside the cluster, ingress or not: the ingress routes only /v1, and the load test also
+reads /tokenize (the vocabulary, unless it has a tokenizer) and /metrics (the cache counters).
 */}}
 {{- define "arc-serving.loadtestHost" -}}
 {{- if .Values.loadtest.host }}
 {{- .Values.loadtest.host }}
-{{- else if and .Values.ingress.enabled .Values.ingress.host }}
-{{- printf "%s://%s" (ternary "https" "http" .Values.ingress.tls.enabled) .Values.ingress.host }}
 {{- else }}
 {{- printf "http://%s.%s.svc:8000" (include "arc-serving.servingServiceName" .) .Release.Namespace }}
 {{- end }}
@@ -212,9 +211,35 @@ pull policy is not Always. Call with (dict "image" .Values.operator.image "skips
 {{- if ne (.image.pullPolicy | default "IfNotPresent") "Always" }}
 {{- $skips = append $skips "CKV_K8S_15=pinned tags and digests do not change, so IfNotPresent saves a registry round trip per start; set pullPolicy Always where nodes share cached images between tenants" }}
 {{- end }}
+{{- /* One line per skip, no leading newline: callers indent it with nindent. */}}
 {{- range $index, $skip := $skips }}
-checkov.io/skip{{ add1 $index }}: {{ $skip | quote }}
+{{- if $index }}
+{{ end }}checkov.io/skip{{ add1 $index }}: {{ $skip | quote }}
 {{- end }}
+{{- end }}
+
+{{/*
+The peers allowed to reach the serving pods' port 8000, as the JSON list of NetworkPolicyPeer
+objects the operator reads from ARC_OPERATOR_SERVING_PEERS (it builds each ServingPolicy's
+NetworkPolicy from them): the ingress controller, Prometheus, this release's operator, load-test
+and helm-test pods (release namespace), then networkPolicy.extraServingFrom. Call with the root
+context.
+*/}}
+{{- define "arc-serving.servingPeers" -}}
+{{- $np := .Values.networkPolicy }}
+{{- $releasePods := dict
+  "namespaceSelector" (dict "matchLabels" (dict "kubernetes.io/metadata.name" .Release.Namespace))
+  "podSelector" (dict
+    "matchLabels" (include "arc-serving.selectorLabels" . | fromYaml)
+    "matchExpressions" (list (dict
+      "key" "app.kubernetes.io/component"
+      "operator" "In"
+      "values" (list "operator" "loadtest-master" "loadtest-worker" "test")))) }}
+{{- $peers := list
+  (dict "namespaceSelector" $np.ingressController.namespaceSelector "podSelector" $np.ingressController.podSelector)
+  (dict "namespaceSelector" $np.prometheus.namespaceSelector "podSelector" $np.prometheus.podSelector)
+  $releasePods }}
+{{- concat $peers ($np.extraServingFrom | default list) | toJson }}
 {{- end }}
 
 {{/*

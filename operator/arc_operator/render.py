@@ -1,0 +1,71 @@
+"""Write the children the operator would build, for scanners (``make audit``).
+
+``python -m arc_operator.render RENDERED.yaml OUTDIR`` reads YAML documents (``helm template``
+output), and for every ServingPolicy among them writes ``OUTDIR/NAMESPACE-NAME-MODE.yaml``: the
+children ``manifests.children`` builds for its spec, once per switch mode (the spec's own and
+the other), since the pod template differs between them. The NetworkPolicy's peers come from
+the operator's settings in the environment (``OperatorConfig.from_env``), as in the operator.
+
+Bad input (unreadable file, invalid YAML, an invalid spec, bad settings) prints one line naming
+the problem and exits 1 without writing anything.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from arc_operator import KIND
+from arc_operator import manifests as mf
+from arc_operator.models import OperatorConfig, SpecError, SwitchMode, parse_spec
+
+
+def render(documents: list[Any], peers: list[dict[str, Any]] | None) -> dict[str, str]:
+    """File name -> YAML of the children, for every ServingPolicy in ``documents``."""
+    files: dict[str, str] = {}
+    for document in documents:
+        if not isinstance(document, dict) or document.get("kind") != KIND:
+            continue
+        meta = document.get("metadata") or {}
+        name, namespace = meta.get("name"), meta.get("namespace") or "default"
+        try:
+            spec = parse_spec(document.get("spec"))
+        except SpecError as error:
+            raise SpecError(f"ServingPolicy {name}: {error}") from None
+        for mode in SwitchMode:
+            variant = spec.model_copy(update={"switch_mode": mode})
+            children = mf.children(name, namespace, variant, peers)
+            files[f"{namespace}-{name}-{mode.value.lower()}.yaml"] = yaml.safe_dump_all(
+                children, sort_keys=False
+            )
+    return files
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Render the children of the ServingPolicies in one file into one directory."""
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 2:
+        print("usage: python -m arc_operator.render RENDERED.yaml OUTDIR", file=sys.stderr)
+        return 2
+    source, out = Path(args[0]), Path(args[1])
+    try:
+        documents = list(yaml.safe_load_all(source.read_text(encoding="utf-8")))
+        files = render(documents, OperatorConfig.from_env(os.environ).peers())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, SpecError) as error:
+        print(f"arc_operator.render: {source}: {error}", file=sys.stderr)
+        return 1
+    if not files:
+        print(f"arc_operator.render: {source}: no ServingPolicy found", file=sys.stderr)
+        return 1
+    out.mkdir(parents=True, exist_ok=True)
+    for file_name, text in files.items():
+        (out / file_name).write_text(text, encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,68 @@
+"""``python -m arc_operator.render``: the operator's children for scanners (``make audit``)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from arc_operator import render
+
+from tests.operator.conftest import SERVING_PEERS, make_servingpolicy, make_spec
+
+
+def write_rendered(path: Path, *documents: object) -> Path:
+    path.write_text(yaml.safe_dump_all(documents))
+    return path
+
+
+def test_every_servingpolicy_is_rendered_in_both_switch_modes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("ARC_OPERATOR_SERVING_PEERS", json.dumps(SERVING_PEERS))
+    config_map = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "other"}}
+    source = write_rendered(
+        tmp_path / "chart.yaml", config_map, make_servingpolicy("demo", make_spec())
+    )
+    assert render.main([str(source), str(tmp_path / "out")]) == 0
+    files = sorted(path.name for path in (tmp_path / "out").iterdir())
+    assert files == ["serving-demo-hot.yaml", "serving-demo-restart.yaml"]
+    for name, env in [("hot", "ARC_EVICTOR_CONFIG"), ("restart", "ARC_EVICTOR_POLICY")]:
+        text = (tmp_path / "out" / f"serving-demo-{name}.yaml").read_text()
+        children = list(yaml.safe_load_all(text))
+        kinds = [child["kind"] for child in children]
+        assert kinds == ["Deployment", "Service", "NetworkPolicy", "ConfigMap"]
+        (container,) = children[0]["spec"]["template"]["spec"]["containers"]
+        assert env in {var["name"] for var in container["env"]}
+        assert children[2]["spec"]["ingress"][0]["from"] == SERVING_PEERS
+
+
+@pytest.mark.parametrize(
+    ("content", "problem"),
+    [
+        (None, "No such file"),
+        ("a: [", "while parsing"),
+        ("kind: ConfigMap\n", "no ServingPolicy found"),
+        (yaml.safe_dump(make_servingpolicy("bad", make_spec(replicas=-1))), "ServingPolicy bad:"),
+    ],
+)
+def test_bad_input_names_the_problem_and_writes_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], content: str | None, problem: str
+) -> None:
+    source = tmp_path / "chart.yaml"
+    if content is not None:
+        source.write_text(content)
+    assert render.main([str(source), str(tmp_path / "out")]) == 1
+    assert problem in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_bad_operator_settings_are_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("ARC_OPERATOR_SERVING_PEERS", "[{}]")
+    source = write_rendered(tmp_path / "chart.yaml", make_servingpolicy("demo", make_spec()))
+    assert render.main([str(source), str(tmp_path / "out")]) == 1
+    assert "ARC_OPERATOR_SERVING_PEERS" in capsys.readouterr().err
+    assert render.main([]) == 2
