@@ -74,6 +74,29 @@ def pointer(path: Any) -> str:
     return "".join("/" + str(part).replace("~", "~0").replace("/", "~1") for part in path)
 
 
+GO_ESCAPES = {"\a": "\\a", "\b": "\\b", "\f": "\\f", "\n": "\\n", "\r": "\\r"}
+GO_ESCAPES |= {"\t": "\\t", "\v": "\\v", "\\": "\\\\"}
+
+
+def go_escaped(text: str) -> str:
+    """``text`` as helm prints a path (Go's strconv.Quote without the quotes): unprintable
+    characters escaped as \\n, \\xNN, \\uNNNN or \\UNNNNNNNN."""
+
+    def escape(char: str) -> str:
+        if char in GO_ESCAPES:
+            return GO_ESCAPES[char]
+        if char.isprintable() or char == " ":
+            return char
+        code = ord(char)
+        return (
+            f"\\x{code:02x}"
+            if code < 0x80
+            else (f"\\u{code:04x}" if code <= 0xFFFF else f"\\U{code:08x}")
+        )
+
+    return "".join(escape(char) for char in text)
+
+
 def _resolve(schema: dict[str, Any]) -> dict[str, Any]:
     """Follow local references (``#/definitions/NAME``), the only kind this schema has."""
     while "$ref" in schema:
@@ -327,7 +350,8 @@ def test_helm_agrees_with_jsonschema(
     schema_failed = "don't meet the specifications of the schema" in result.stderr
     assert schema_failed == bool(found), (found, result.stderr[-2000:])
     if found:
-        assert any(f"'{at}'" in result.stderr for at, _ in found), (found, result.stderr)
+        printed = [go_escaped(at) for at, _ in found]
+        assert any(f"'{at}'" in result.stderr for at in printed), (found, result.stderr)
     else:
         # The templates refuse some combinations a schema cannot express, with their own
         # `fail` message ("execution error at (TEMPLATE): ..."); nothing else may fail.
