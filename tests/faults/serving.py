@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import requests
+from prometheus_client.parser import text_string_to_metric_families
 
 from arc_evictor.generate import DocQAParams, docqa, to_records
 from arc_evictor.traces import write_trace
@@ -38,8 +39,9 @@ def metric_sum(server: VllmServer, name: str) -> float:
     """The sum of every series of metric ``name`` on the server's /metrics."""
     response = requests.get(f"{server.base_url}/metrics", timeout=10)
     response.raise_for_status()
-    total = 0.0
-    for line in response.text.splitlines():
-        if line.startswith(name) and line[len(name) : len(name) + 1] in ("{", " "):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(response.text)
+        for sample in family.samples
+        if sample.name == name
+    )
