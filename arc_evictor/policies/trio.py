@@ -14,21 +14,27 @@ released blocks (both lists are ordered by release stamp); LFU's (count, release
 order is built when LFU takes the lead and dropped when it loses it. Three miniature caches
 (Waldspurger et al., "Cache Modeling and Optimization using Miniature Simulations",
 USENIX ATC'17) replay a hash-sampled share of the keys, one ARC, one LRU and one
-LFU, each with the sampled share of the capacity. Every ``window`` sampled
-accesses each expert's hits in that window are added to its score, which halves
-each window; the expert with the highest score (ties: ARC, then LRU, then LFU)
-names the victims until the next window ends. Whoever names it, the victim goes
-to B1 or B2 as in ARC, so ARC's learning goes on while another expert leads.
+LFU, each with the sampled share of the capacity; the share is the largest power of
+two that leaves each miniature at least ``MIN_MINIATURE_BLOCKS`` blocks (smaller
+miniatures misjudge prefix traffic). Every ``window`` sampled accesses (half a
+miniature) each expert's score decays by ``SCORE_DECAY`` and gains its hits in that
+window; the expert with the highest score (ties: ARC, then LRU, then LFU) names the
+victims until the next window ends. The slow decay (a memory of about 20 windows)
+matters: with scores halved each window, experts within a point of each other took
+turns, and every turn cost hits (up to 0.8 points below max(LRU, ARC)). Whoever
+names it, the victim goes to B1 or B2 as in ARC, so ARC's learning goes on while
+another expert leads.
 
 Prefix caches: all three orders evict a block's descendants before the block
 (LRU and ARC by release order, LFU because a parent's count is at least its
 child's, ties by release order).
 
 Cost: O(1) per operation, amortised: ARC's work, one count per ``find``, one
-multiplicative hash per ``find``, a sampled share (1/8; every key for caches of at
-most 1,024 blocks) of the work in three miniature caches, and while LFU leads one
-bucket update per pin and unpin. Building the LFU order costs O(c) and happens at
-most once a window, and a window is at least ``2c`` accesses.
+multiplicative hash per ``find``, a sampled share (at most 1,024 blocks' worth of
+miniature per cache: 1/8 of the keys at 13,072 blocks, every key below 2,048) of the
+work in three miniature caches, and while LFU leads one bucket update per pin and
+unpin. Building the LFU order costs O(c) and happens at most once a window, and a
+window is at least ``c / 2`` accesses.
 
 Name map: ``_freq`` the counts and frequency order; ``_minis`` the
 miniatures (ARC, LRU, LFU); ``_scores`` their decayed hit counts; ``_expert`` the
@@ -61,25 +67,29 @@ def _stable_hash(key: Key) -> int:
     return hash(key)
 
 
-# Caches up to this many blocks feed every key to the miniatures.
-_FULL_SAMPLE_BLOCKS = 1024
+# Each miniature holds at least this many blocks (caches below twice this sample every key).
+MIN_MINIATURE_BLOCKS = 1024
+# Per window, each expert's score is multiplied by this before its window hits are added.
+SCORE_DECAY = 0.95
 EXPERTS = ("arc", "lru", "lfu")
 _ARC, _LRU, _LFU = 0, 1, 2
 
 
 def _mini_access(policy: EvictionPolicy, key: Key) -> bool:
-    """One access of ``key`` in a miniature cache that never holds pins: True on a hit."""
-    if key in policy:
+    """One access of ``key`` in a miniature cache that never holds pins: True on a hit.
+
+    The calls are the plain driver's (``find`` before ``pin``; every policy's ``find``
+    accepts an unpinned resident key): a miniature has no pool to pin first.
+    """
+    hit = policy.find(key)
+    if hit:
         policy.pin(key)
-        policy.find(key)
-        policy.unpin(key)
-        return True
-    policy.find(key)
-    while len(policy) >= policy.capacity:
-        policy.evict(policy.to_evict())
-    policy.insert(key)
+    else:
+        if len(policy) == policy.capacity:  # it holds no pins: one victim makes room
+            policy.evict(policy.to_evict())
+        policy.insert(key)
     policy.unpin(key)
-    return False
+    return hit
 
 
 class Trio(ARC):
@@ -95,21 +105,29 @@ class Trio(ARC):
 
     name = "trio"
 
-    def __init__(self, capacity: int, *, sample_bits: int = 3, history_factor: int = 4) -> None:
+    def __init__(
+        self,
+        capacity: int,
+        *,
+        min_miniature_blocks: int = MIN_MINIATURE_BLOCKS,
+        history_factor: int = 4,
+    ) -> None:
         super().__init__(capacity)
-        if not 0 <= sample_bits <= 16:
-            raise PolicyError(f"trio sample_bits must be in [0, 16], got {sample_bits}")
+        if min_miniature_blocks < 1:
+            raise PolicyError(f"trio min_miniature_blocks must be >= 1, got {min_miniature_blocks}")
         if history_factor < 0:
             raise PolicyError(f"trio history_factor must be >= 0, got {history_factor}")
-        self._sample_bits = 0 if capacity <= _FULL_SAMPLE_BLOCKS else sample_bits
+        # The largest power-of-two share that leaves each miniature min_miniature_blocks.
+        self._sample_bits = min(16, max(0, (capacity // min_miniature_blocks).bit_length() - 1))
+        self._sample_shift = 64 - self._sample_bits
         mini_capacity = max(1, capacity >> self._sample_bits)
         self._minis: tuple[EvictionPolicy, ...] = (
             ARC(mini_capacity),
             LRU(mini_capacity),
             LFU(mini_capacity, history_factor=history_factor),
         )
-        # A window of a few miniature cache-fulls: long enough to compare, short enough to react.
-        self.window = max(64, 2 * mini_capacity)
+        # Half a miniature cache-full: the slow score decay, not the window, smooths the choice.
+        self.window = max(64, mini_capacity // 2)
         self._freq = FrequencyOrder(history_factor * capacity, ordered=False)
         self._scores = [0.0, 0.0, 0.0]
         self._window_hits = [0, 0, 0]
@@ -125,8 +143,8 @@ class Trio(ARC):
         return EXPERTS[self._expert]
 
     def _sampled(self, key: Key) -> bool:
-        bits = self._sample_bits
-        return not bits or ((_stable_hash(key) * _GOLDEN) & _MASK64) >> (64 - bits) == 0
+        # The top sample_bits bits of the hash are zero (a shift of 64 keeps every key).
+        return ((_stable_hash(key) * _GOLDEN) & _MASK64) >> self._sample_shift == 0
 
     def find(self, key: Key) -> bool:
         if self._sampled(key):
@@ -142,7 +160,7 @@ class Trio(ARC):
     def _end_window(self) -> None:
         scores, hits = self._scores, self._window_hits
         for index in range(3):
-            scores[index] = scores[index] / 2 + hits[index]
+            scores[index] = scores[index] * SCORE_DECAY + hits[index]
             hits[index] = 0
         self._window_count = 0
         expert = max(range(3), key=lambda index: (scores[index], -index))

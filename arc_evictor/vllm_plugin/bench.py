@@ -1,14 +1,15 @@
 """Block-pool overhead: vLLM's native LRU free queue against the plugin's policies.
 
 The same generated request sequence (document QA, Zipf over documents, sequential) drives
-vLLM's real ``BlockPool`` and the plugin's ``PolicyBlockPool`` (lru, arc) through the calls the
-KV cache manager makes: prefix lookup (``get_cached_block``), ``touch``, ``get_new_blocks``,
-``cache_full_blocks``, ``free_blocks`` (tail first). Time per block operation = CPU time of
-the whole replay / block operations (each looked-up, touched, allocated, cached or freed block
-is one: 3 per prompt block whatever the policy decides); best of ``repeats`` runs. All pools
-run in one process, taking turns within each repeat, each on a fresh pool after a garbage
-collection. Time is the process's CPU time, not wall time: on a shared machine another
-process taking the core would otherwise be charged to whichever pool ran at that moment.
+vLLM's real ``BlockPool`` and the plugin's ``PolicyBlockPool`` (lru, arc, trio) through the
+calls the KV cache manager makes: prefix lookup (``get_cached_block``), ``touch``,
+``get_new_blocks``, ``cache_full_blocks``, ``free_blocks`` (tail first). Time per block
+operation = CPU time of the whole replay / block operations (each looked-up, touched,
+allocated, cached or freed block is one: 3 per prompt block whatever the policy decides); best
+of ``repeats`` runs. All pools run in one process, taking turns within each repeat, each on a
+fresh pool after a garbage collection. Time is the process's CPU time, not wall time: on a
+shared machine another process taking the core would otherwise be charged to whichever pool ran
+at that moment.
 
 Native LRU and the plugin's LRU make the same decisions, so their ``hit_blocks`` are equal; the
 plugin's side pays for what the KV cache manager wrappers do in vLLM (the ``_Allocation``).
@@ -96,11 +97,16 @@ def bench_block_pool(
 ) -> list[dict[str, Any]]:
     """Rows: pool, policy, requests, block_ops, hit_blocks, ns_per_block_op, ratio_vs_native.
 
-    The variants take turns within each repeat (native, lru, arc, native, ...), so that a
+    The variants take turns within each repeat (native, lru, arc, trio, native, ...), so that a
     slower or busier stretch of the run falls on all of them alike.
     """
     workload = _requests(requests, block_size, seed)
-    variants: list[tuple[str, str]] = [("vllm-native", "lru"), ("plugin", "lru"), ("plugin", "arc")]
+    variants: list[tuple[str, str]] = [
+        ("vllm-native", "lru"),
+        ("plugin", "lru"),
+        ("plugin", "arc"),
+        ("plugin", "trio"),
+    ]
     best: dict[tuple[str, str], tuple[float, int, int]] = {}
     for _ in range(repeats):
         for kind, policy in variants:

@@ -141,7 +141,7 @@ def test_default_servingpolicy_reflects_values() -> None:
     policy = one(render(), "ServingPolicy")
     assert policy["metadata"] == {**policy["metadata"], "name": f"{RELEASE}-arc-serving"}
     spec = policy["spec"]
-    assert spec["policy"] == "ARC"
+    assert spec["policy"] == "TRIO"
     assert spec["cache"] == {"blockSize": 16, "gpuMemoryUtilization": 0.9}
     assert spec["image"] == "ghcr.io/arc-serving/vllm:0.1.0"
 

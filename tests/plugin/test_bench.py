@@ -11,10 +11,11 @@ def test_bench_counts_the_same_block_operations_and_lru_decisions_for_every_pool
         ("vllm-native", "lru"),
         ("plugin", "lru"),
         ("plugin", "arc"),
+        ("plugin", "trio"),
     ]
     # 10 prompt blocks per request, each looked up or allocated, then cached or touched, freed.
     assert {row["block_ops"] for row in rows} == {120 * 10 * 3}
-    native, lru, _arc = rows
+    native, lru, _arc, _trio = rows
     assert native["hit_blocks"] == lru["hit_blocks"] > 0  # same stream, same LRU decisions
     assert native["ratio_vs_native"] == 1.0
     assert all(row["ns_per_block_op"] > 0 for row in rows)

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
 import itertools
+import os
+import subprocess
+import sys
 
 import pytest
 from policy_support import access, run_plain, zipf_keys
@@ -115,16 +119,45 @@ def test_clear_forgets_counts_and_returns_to_arc() -> None:
     assert policy._freq.count(0) == 0
 
 
-def test_large_caches_sample_one_key_in_eight() -> None:
-    assert Trio(100_000).describe() == "trio-1/8"
-    assert Trio(1_024).describe() == "trio-1/1"
-    sampled = sum(Trio(100_000)._sampled(key) for key in range(80_000))
-    assert 9_000 < sampled < 11_000
+@pytest.mark.parametrize(
+    ("capacity", "share"), [(1_024, 1), (2_047, 1), (2_048, 2), (13_072, 8), (100_000, 64)]
+)
+def test_miniatures_keep_at_least_1024_blocks(capacity: int, share: int) -> None:
+    policy = Trio(capacity)
+    assert policy.describe() == f"trio-1/{share}"
+    assert capacity // share >= 1_024
+    sampled = sum(policy._sampled(key) for key in range(64_000))
+    assert 0.9 * 64_000 / share < sampled < 1.1 * 64_000 / share
+
+
+@pytest.mark.parametrize("hash_seed", ["1", "2"])
+def test_bytes_keys_are_sampled_alike_in_every_process(hash_seed: str) -> None:
+    """The plugin's keys are bytes, whose ``hash`` changes with PYTHONHASHSEED: every
+    replica and restart must still sample the same keys."""
+    script = (
+        "import hashlib\n"
+        "from arc_evictor.policies import Trio\n"
+        "policy = Trio(100_000)\n"
+        "keys = [hashlib.sha256(str(i).encode()).digest() for i in range(20_000)]\n"
+        "print([i for i, key in enumerate(keys) if policy._sampled(key)])\n"
+    )
+    env = os.environ | {"PYTHONHASHSEED": hash_seed}
+    run = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True
+    )
+    here = Trio(100_000)
+    keys = [hashlib.sha256(str(i).encode()).digest() for i in range(20_000)]
+    expected = [i for i, key in enumerate(keys) if here._sampled(key)]
+    assert run.stdout.strip() == str(expected)
+    assert 200 < len(expected) < 450  # about 1 in 64
 
 
 @pytest.mark.parametrize(
     ("kwargs", "message"),
-    [({"sample_bits": 40}, "sample_bits must be in"), ({"history_factor": -1}, "history_factor")],
+    [
+        ({"min_miniature_blocks": 0}, "min_miniature_blocks must be >= 1"),
+        ({"history_factor": -1}, "history_factor"),
+    ],
 )
 def test_bad_parameters_are_rejected(kwargs: dict, message: str) -> None:
     with pytest.raises(PolicyError, match=message):
