@@ -30,11 +30,10 @@ Prefix caches: all three orders evict a block's descendants before the block
 child's, ties by release order).
 
 Cost: O(1) per operation, amortised: ARC's work, one count per ``find``, one
-multiplicative hash per ``find``, a sampled share (at most 1,024 blocks' worth of
-miniature per cache: 1/8 of the keys at 13,072 blocks, every key below 2,048) of the
-work in three miniature caches, and while LFU leads one bucket update per pin and
-unpin. Building the LFU order costs O(c) and happens at most once a window, and a
-window is at least ``c / 2`` accesses.
+multiplicative hash per ``find``, a sampled share of the work in three miniature
+caches (under 2,048 / c of the keys: every key below 2,048 blocks, 1/8 at 13,072), and
+while LFU leads one bucket update per pin and unpin. Building the LFU order costs O(c)
+and happens at most once a window, and a window is about ``c / 2`` accesses.
 
 Name map: ``_freq`` the counts and frequency order; ``_minis`` the
 miniatures (ARC, LRU, LFU); ``_scores`` their decayed hit counts; ``_expert`` the
