@@ -26,6 +26,7 @@ from tests.operator.conftest import (
     eventually,
     make_servingpolicy,
     make_spec,
+    operator_writes,
     stored,
 )
 
@@ -65,17 +66,6 @@ def valid(cluster, name: str) -> bool:
     return any(
         c["type"] == "Valid" and c["status"] == "True"
         for c in status_of(cluster, name).get("conditions", [])
-    )
-
-
-def operator_writes(cluster, resource, method: str) -> int:
-    """Requests of ``method`` on ``resource`` made by the operator (not by the test)."""
-    return sum(
-        1
-        for request in list(cluster)
-        if request.resource == resource
-        and request.method.value == method
-        and "kmock" not in request.headers.get("User-Agent", "")
     )
 
 

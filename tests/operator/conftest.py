@@ -260,3 +260,14 @@ def stored(kube: kmock.KubernetesEmulator, resource: Any, name: str) -> dict[str
     if key not in kube.objects or kube.objects[key].deleted:
         return None
     return copy.deepcopy(dict(kube.objects[key].raw))
+
+
+def operator_writes(cluster, resource: Any, method: str) -> int:
+    """Requests of ``method`` on ``resource`` made by the operator (not by the test)."""
+    return sum(
+        1
+        for request in list(cluster)
+        if request.resource == resource
+        and request.method.value == method
+        and "kmock" not in request.headers.get("User-Agent", "")
+    )

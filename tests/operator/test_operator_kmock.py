@@ -28,6 +28,7 @@ from tests.operator.conftest import (
     make_servingpolicy,
     make_spec,
     metrics_text,
+    operator_writes,
     stored,
 )
 
@@ -95,16 +96,6 @@ def condition(cluster, name: str, type_: str) -> dict[str, Any]:
 
 def template_of(cluster, name: str) -> dict[str, Any]:
     return stored(cluster, DEPLOYMENTS, name)["spec"]["template"]
-
-
-def writes_to(cluster, resource, method: str) -> int:
-    return sum(
-        1
-        for request in list(cluster)
-        if request.resource == resource
-        and request.method.value == method
-        and "kmock" not in request.headers.get("User-Agent", "")
-    )
 
 
 async def test_create_makes_owned_children_with_policy_config(cluster, operator) -> None:
@@ -264,10 +255,10 @@ async def test_server_canonical_forms_are_not_reapplied(cluster, operator) -> No
         headers={"Content-Type": "application/merge-patch+json"},
     )
     assert response.status == 200, await response.text()
-    patches = writes_to(cluster, DEPLOYMENTS, "PATCH")
+    patches = operator_writes(cluster, DEPLOYMENTS, "PATCH")
     # Several timer passes later, nothing was re-applied.
     await asyncio.sleep(6 * STATUS_INTERVAL_S)
-    assert writes_to(cluster, DEPLOYMENTS, "PATCH") == patches
+    assert operator_writes(cluster, DEPLOYMENTS, "PATCH") == patches
     assert (
         template_of(cluster, "demo")["spec"]["containers"][0]["resources"]["requests"]
         == stored_form
@@ -334,7 +325,7 @@ async def test_deleting_the_policy_leaves_cleanup_to_owner_references(cluster, o
     ]:
         (owner,) = stored(cluster, resource, name)["metadata"]["ownerReferences"]
         assert owner["uid"] == "uid-demo" and owner["blockOwnerDeletion"] is True
-    assert writes_to(cluster, DEPLOYMENTS, "DELETE") == 0
+    assert operator_writes(cluster, DEPLOYMENTS, "DELETE") == 0
 
 
 async def test_operator_restart_resumes_without_duplicates(cluster, operator) -> None:
@@ -342,8 +333,10 @@ async def test_operator_restart_resumes_without_duplicates(cluster, operator) ->
     await eventually(lambda: condition(cluster, "demo", "Valid").get("status") == "True")
     await operator.stop()
     deployment_before = stored(cluster, DEPLOYMENTS, "demo")
-    patches_before = writes_to(cluster, DEPLOYMENTS, "PATCH")
-    posts_before = {r: writes_to(cluster, r, "POST") for r in (DEPLOYMENTS, CONFIGMAPS, SERVICES)}
+    patches_before = operator_writes(cluster, DEPLOYMENTS, "PATCH")
+    posts_before = {
+        r: operator_writes(cluster, r, "POST") for r in (DEPLOYMENTS, CONFIGMAPS, SERVICES)
+    }
 
     await operator.start()
     await edit_spec(cluster, "demo", 2, replicas=3)
@@ -351,9 +344,9 @@ async def test_operator_restart_resumes_without_duplicates(cluster, operator) ->
     await eventually(lambda: status_of(cluster, "demo").get("observedGeneration") == 2)
     # The restarted operator created nothing: every child already existed.
     for resource, count in posts_before.items():
-        assert writes_to(cluster, resource, "POST") == count
+        assert operator_writes(cluster, resource, "POST") == count
     # Only the replica change was written; the resume re-applied nothing.
-    assert writes_to(cluster, DEPLOYMENTS, "PATCH") == patches_before + 1
+    assert operator_writes(cluster, DEPLOYMENTS, "PATCH") == patches_before + 1
     after = stored(cluster, DEPLOYMENTS, "demo")
     assert after["spec"]["template"] == deployment_before["spec"]["template"]
 
