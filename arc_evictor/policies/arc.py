@@ -116,6 +116,22 @@ class ARC(EvictionPolicy):
         self._pending_ghost = where
         return False
 
+    def access(self, key: Key) -> bool:
+        # A hit inline (no pins, so the key is in _t1 or _t2); a miss by the plain calls.
+        where = self._where.get(key)
+        if where is not None and where <= T2:
+            self._clock += 1
+            if where == T1:
+                del self._t1[key]
+                self._t1_size -= 1
+                self._t2_size += 1
+                self._where[key] = T2
+            else:
+                self._t2.move_to_end(key)
+            self._t2[key] = self._clock
+            return True
+        return EvictionPolicy.access(self, key)
+
     def insert(self, key: Key) -> None:
         where = self._where
         assert key not in where, f"insert of {key!r}, already in ARC list {where.get(key)}"

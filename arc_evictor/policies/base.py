@@ -124,6 +124,25 @@ class EvictionPolicy(ABC):
     def clear(self) -> None:
         """Forget every key and all history; the counters keep counting."""
 
+    def access(self, key: Key) -> bool:
+        """One access of ``key`` in a cache that holds no pins: True on a hit.
+
+        libCacheSim's ``get``, for simulating a cache beside the real one (``trio``'s
+        miniatures): find, make room and insert on a miss, and release at once. The
+        calls are the plain driver's (``find`` before ``pin``; every policy's ``find``
+        accepts an unpinned resident key). Policies may override it with a shorter
+        path that leaves the same keys in the same order.
+        """
+        hit = self.find(key)
+        if hit:
+            self.pin(key)
+        else:
+            if len(self) == self.capacity:  # no pins: one victim makes room
+                self.evict(self.to_evict())
+            self.insert(key)
+        self.unpin(key)
+        return hit
+
     @property
     def target(self) -> float | None:
         """ARC's adaptive target ``p`` for T1, in blocks; None for other policies."""

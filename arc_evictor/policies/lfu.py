@@ -18,12 +18,14 @@ Cost: O(1) per operation; finding the lowest non-empty count after one empties
 scans at most ``MAX_COUNT`` counts. An owner that needs the order only now and then
 (``trio``) keeps counts always and builds the order on demand (``start_order``).
 
-Name map: ``_buckets`` count -> unpinned keys of that count; ``_counts`` resident
-keys' counts; ``_history`` evicted keys' counts; ``_min`` the lowest bucket.
+Name map: ``_buckets`` count -> unpinned keys of that count (with release stamps from
+``_clock``); ``_counts`` resident keys' counts; ``_history`` evicted keys' counts;
+``_min`` the lowest bucket.
 """
 
 from __future__ import annotations
 
+import heapq
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 
@@ -39,8 +41,8 @@ class FrequencyOrder:
     Invariants (checked by ``verify``):
     - ``_counts`` maps every resident key, pinned or not, to its count in [1, MAX_COUNT];
     - while ``ordered``: ``_buckets`` maps each count to a non-empty order of exactly
-      the unpinned resident keys with that count, least recently released first;
-      otherwise ``_buckets`` is empty;
+      the unpinned resident keys with that count, least recently released first (value:
+      a release stamp from ``_clock``, increasing); otherwise ``_buckets`` is empty;
     - ``_history`` holds at most ``history_limit`` evicted keys' counts, none resident,
       oldest eviction first;
     - ``_min`` is the smallest key of ``_buckets`` when it is not empty.
@@ -52,9 +54,10 @@ class FrequencyOrder:
         self.history_limit = history_limit
         self.ordered = ordered
         self._counts: dict[Key, int] = {}
-        self._buckets: dict[int, OrderedDict[Key, None]] = {}
+        self._buckets: dict[int, OrderedDict[Key, int]] = {}
         self._history: OrderedDict[Key, int] = OrderedDict()
         self._min = 0
+        self._clock = 0
         self._pending = 0  # count of the key that missed in the last ``access``
 
     def __contains__(self, key: object) -> bool:
@@ -138,6 +141,18 @@ class FrequencyOrder:
         for count in sorted(self._buckets):
             yield from self._buckets[count]
 
+    def history_newest_first(self) -> Iterator[tuple[Key, int]]:
+        """Evicted keys with their remembered counts, most recently evicted first."""
+        return reversed(self._history.items())
+
+    def released(self) -> Iterator[Key]:
+        """Unpinned resident keys, least recently released first."""
+        by_release = heapq.merge(
+            *(bucket.items() for bucket in self._buckets.values()), key=lambda item: item[1]
+        )
+        for key, _stamp in by_release:
+            yield key
+
     def clear(self) -> None:
         self._counts.clear()
         self._buckets.clear()
@@ -151,9 +166,10 @@ class FrequencyOrder:
             bucket = self._buckets[count] = OrderedDict()
             if len(self._buckets) == 1 or count < self._min:
                 self._min = count
-        bucket[key] = None
+        self._clock += 1
+        bucket[key] = self._clock
 
-    def _unlink(self, key: Key, count: int, bucket: OrderedDict[Key, None]) -> None:
+    def _unlink(self, key: Key, count: int, bucket: OrderedDict[Key, int]) -> None:
         del bucket[key]
         if not bucket:
             del self._buckets[count]
@@ -170,6 +186,8 @@ class FrequencyOrder:
             for key in bucket:
                 assert self._counts[key] == count, f"LFU key {key!r} sits in the wrong bucket"
                 in_buckets.add(key)
+            stamps = list(bucket.values())
+            assert stamps == sorted(stamps), f"LFU bucket {count} out of release order"
         if self.ordered:
             assert in_buckets == unpinned, "LFU buckets differ from the unpinned resident keys"
         else:
@@ -201,6 +219,18 @@ class LFU(EvictionPolicy):
     def find(self, key: Key) -> bool:
         self._order.access(key)
         return key in self._order
+
+    def access(self, key: Key) -> bool:
+        order = self._order
+        order.access(key)  # an unpinned key moves to its new count's bucket
+        if key in order:
+            return True
+        if len(order) == self.capacity:
+            order.drop(order.first(), remember=True)
+            self.counters.count_eviction("lfu")
+        order.add(key)
+        order.release(key)
+        return False
 
     def insert(self, key: Key) -> None:
         assert len(self) < self.capacity, f"insert of {key!r}: LFU full"

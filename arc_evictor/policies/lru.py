@@ -40,6 +40,17 @@ class LRU(EvictionPolicy):
         assert len(self._order) + len(self._pinned) < self.capacity, f"insert of {key!r}: LRU full"
         self._pinned.add(key)
 
+    def access(self, key: Key) -> bool:
+        order = self._order
+        if key in order:
+            order.move_to_end(key)
+            return True
+        if len(order) == self.capacity:
+            order.popitem(last=False)
+            self.counters.count_eviction("lru")
+        order[key] = None
+        return False
+
     def to_evict(self) -> Key | None:
         return next(iter(self._order), None)
 

@@ -194,6 +194,17 @@ def test_clear_forgets_every_key_and_history(name: str) -> None:
     assert len(policy) == 8
 
 
+def test_access_leaves_what_the_plain_calls_leave(name: str) -> None:
+    # ``access`` may take a shorter path than find/pin/insert/unpin, never a different one.
+    keys = zipf_keys(3_000, 0.9, 60, seed=11)
+    short, plain = make_policy(name, 8), make_policy(name, 8)
+    hits = [short.access(key) for key in keys]
+    assert hits == [EvictionPolicy.access(plain, key) for key in keys]
+    short.verify()
+    assert snapshot(short) == snapshot(plain)
+    assert 0 < sum(hits) < len(keys)
+
+
 def test_unknown_policy_name_lists_the_valid_names(name: str) -> None:
     with pytest.raises(PolicyError, match="unknown eviction policy 'belady'") as error:
         make_policy("belady", 4)

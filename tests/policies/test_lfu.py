@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from policy_support import access, drain, run_plain
+from policy_support import access, drain, run_plain, zipf_keys
 
-from arc_evictor.policies import PolicyError
+from arc_evictor.policies import EvictionPolicy, PolicyError
 from arc_evictor.policies.lfu import LFU, MAX_COUNT
 
 
@@ -63,3 +63,14 @@ def test_remove_forgets_the_count_and_refuses_a_pinned_key() -> None:
 def test_bad_history_factor_is_rejected() -> None:
     with pytest.raises(PolicyError, match="history factor must be >= 0"):
         LFU(4, history_factor=-1)
+
+
+def test_access_leaves_what_the_plain_calls_leave() -> None:
+    keys = zipf_keys(3_000, 0.9, 60, seed=11)
+    short, plain = LFU(8), LFU(8)
+    hits = [short.access(key) for key in keys]
+    assert hits == [EvictionPolicy.access(plain, key) for key in keys]
+    short.verify()
+    assert list(short.resident_keys()) == list(plain.resident_keys())
+    assert short.counters.evictions == plain.counters.evictions
+    assert 0 < sum(hits) < len(keys)

@@ -90,15 +90,51 @@ def test_beats_arc_and_lru_on_popular_keys() -> None:
     assert run_plain(Trio(CAPACITY), keys) > best
 
 
-def test_counted_victim_becomes_an_arc_ghost() -> None:
+def test_lfu_lead_sets_arcs_lists_aside() -> None:
     policy = Trio(CAPACITY)
     run_plain(policy, popular_keys(), verify=True)
+    assert policy.expert == "lfu"
     sizes = policy.list_sizes()
+    assert sizes["t1"] + sizes["t2"] == CAPACITY and sizes["b1"] == sizes["b2"] == 0
+    evictions = sum(policy.counters.evictions.values())
     victim = policy.to_evict()
     policy.evict(victim)
     policy.verify()
-    assert victim not in policy
-    assert policy.list_sizes()["b1"] + policy.list_sizes()["b2"] == sizes["b1"] + sizes["b2"] + 1
+    assert victim not in policy and policy._freq.count(victim) > 0
+    assert sum(policy.counters.evictions.values()) == evictions + 1
+
+
+def test_arc_is_rebuilt_when_lfu_loses_the_lead() -> None:
+    policy = Trio(CAPACITY)
+    run_plain(policy, popular_keys(), verify=True)
+    assert policy.expert == "lfu"
+    reused, released = set(policy._reused), list(policy.resident_keys())
+    mini_arc = policy._minis[0]
+    policy._scores = [1e9, 0.0, 0.0]  # ARC far ahead at this window's end
+    policy._end_window()
+    policy.verify()
+    assert policy.expert == "arc"
+    assert set(policy._t2) == reused and set(policy._t1) == set(released) - reused
+    assert list(policy.resident_keys()) == released
+    assert policy.target == pytest.approx(mini_arc.target * CAPACITY / mini_arc.capacity)
+    # Ghosts: remembered counts of evicted keys, used once in B1, more often in B2.
+    count = policy._freq.count
+    assert len(policy._b1) + len(policy._b2) > 0
+    assert all(count(key) == 1 for key in policy._b1)
+    assert all(count(key) > 1 for key in policy._b2)
+    assert not {*policy._b1, *policy._b2} & set(released)
+
+
+def test_switches_keep_every_invariant() -> None:
+    policy = Trio(CAPACITY)
+    experts = []
+    for key in popular_keys() + shifting_keys():
+        access(policy, key)
+        policy.unpin(key)
+        policy.verify()
+        if not experts or experts[-1] != policy.expert:
+            experts.append(policy.expert)
+    assert experts == ["arc", "lfu", "arc"]
 
 
 def test_pinned_least_counted_key_is_skipped() -> None:
