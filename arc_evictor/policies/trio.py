@@ -39,13 +39,14 @@ child's, ties by release order).
 Cost: O(1) per operation, amortised: the leading order's work (ARC's or LFU's), one
 count per ``find``, one multiplicative hash per ``find``, and a sampled share of the
 work in three miniature caches (under 2,048 / c of the keys: every key below 2,048
-blocks, 1/8 at 13,072). A change of lead between LFU and the others rebuilds one order
-in O(c log c) and happens at most once a window, and a window is about ``c / 2``
-accesses.
+blocks, 1/8 at 13,072). A change of lead between LFU and the others costs O(c): it
+builds one order (merging ARC's two lists, or at most 255 count buckets) and, when ARC
+comes back, reads at most ``history_factor * c`` remembered counts. It happens at most
+once a window, and a window is about ``c / 2`` accesses.
 
-Name map: ``_freq`` the counts and frequency order; ``_minis`` the
-miniatures (ARC, LRU, LFU); ``_scores`` their decayed hit counts; ``_expert`` the
-index of the expert that leads.
+Name map: ``_freq`` the counts and frequency order; ``_reused`` the keys ARC would
+hold in T2 while LFU leads; ``_minis`` the miniatures (ARC, LRU, LFU); ``_scores``
+their decayed hit counts; ``_expert`` the index of the expert that leads.
 """
 
 from __future__ import annotations
