@@ -19,6 +19,7 @@ import gc
 import sys
 import tempfile
 import time
+import tracemalloc
 from pathlib import Path
 
 from arc_evictor.generate import (
@@ -58,8 +59,23 @@ def bench_trace(kind: str, target_accesses: int, seed: int = 0) -> list[TraceReq
         return load_trace(path)
 
 
+def retained_bytes(requests: list[TraceRequest], name: str, capacity: int) -> int:
+    """Bytes a policy holds after a sequential replay (its lists, ghosts, counts), traced
+    by tracemalloc in a run of its own: tracing slows every allocation."""
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        policy = make_policy(name, capacity)
+        simulate_sequential(requests, policy)
+        gc.collect()
+        return tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+
+
 def bench_policies(requests: list[TraceRequest], capacity: int, repeats: int) -> list[dict]:
-    """Best-of-``repeats`` sequential replay time for every registered policy."""
+    """Best-of-``repeats`` sequential replay time, and retained memory, of every policy."""
     accesses = sum(request.num_blocks for request in requests)
     rows = []
     for name in policy_names():
@@ -79,6 +95,7 @@ def bench_policies(requests: list[TraceRequest], capacity: int, repeats: int) ->
                 "seconds": best,
                 "accesses_per_second": accesses / best,
                 "block_hit_rate": hit_rate,
+                "bytes_per_block": retained_bytes(requests, name, capacity) / capacity,
             }
         )
     seconds = {row["policy"]: row["seconds"] for row in rows}
@@ -109,13 +126,14 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(
             f"{'policy':<8} {'accesses/s':>12} {'seconds':>8} {'time/LRU':>9} {'time/ARC':>9} "
-            f"{'hit rate':>9}"
+            f"{'hit rate':>9} {'bytes/block':>12}"
         )
         for row in bench_policies(requests, capacity, args.repeats):
             print(
                 f"{row['policy']:<8} {row['accesses_per_second']:>12,.0f} "
                 f"{row['seconds']:>8.3f} {row['time_vs_lru']:>8.2f}x "
-                f"{row['time_vs_arc']:>8.2f}x {row['block_hit_rate']:>9.3f}"
+                f"{row['time_vs_arc']:>8.2f}x {row['block_hit_rate']:>9.3f} "
+                f"{row['bytes_per_block']:>12,.0f}"
             )
         print()
     # Imported here: vLLM takes seconds to import and gevent patches nothing until used.

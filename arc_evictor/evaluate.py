@@ -218,7 +218,7 @@ def check_targets(rows: Sequence[EvaluationRow]) -> list[str]:
             )
         if not row.meets_gap:
             misses.append(
-                f"{where}: {row.candidate} closes {row.gap_closed:.0%} of the gap to Belady"
+                f"{where}: {row.candidate} closes {row.gap_closed:.1%} of the gap to Belady"
                 f" (target {GAP_SHARE:.0%})"
             )
     return misses

@@ -101,7 +101,7 @@ class Trio(ARC):
         capacity: int,
         *,
         min_miniature_blocks: int = MIN_MINIATURE_BLOCKS,
-        history_factor: int = 4,
+        history_factor: int = 6,
     ) -> None:
         super().__init__(capacity)
         if min_miniature_blocks < 1:
