@@ -186,7 +186,7 @@ class Trio(ARC):
         self._pending_ghost = None
 
     def _rebuild_lists(self) -> None:
-        """LFU loses the lead: ARC's lists and ghosts from the counts (module docstring)."""
+        """LFU loses the lead: ARC's lists, ghosts and target rebuilt (module docstring)."""
         freq, where, capacity = self._freq, self._where, self.capacity
         reused = self._reused
         for key in freq.released():

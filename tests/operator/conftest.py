@@ -196,8 +196,11 @@ class RunningOperator:
     def _run(self, ready: threading.Event) -> None:
         registry = kopf.OperatorRegistry()
         register(registry, self.config)
-        asyncio.run(
-            kopf.operator(
+        asyncio.run(self._operate(registry, ready))
+
+    async def _operate(self, registry: kopf.OperatorRegistry, ready: threading.Event) -> None:
+        try:
+            await kopf.operator(
                 registry=registry,
                 settings=kopf.OperatorSettings(),
                 clusterwide=True,
@@ -205,7 +208,15 @@ class RunningOperator:
                 ready_flag=ready,
                 memo=self.memo,
             )
-        )
+        finally:
+            # Close the operator's sessions in their own loop whatever kopf's shutdown did
+            # (closing twice is harmless): a connection a stop leaves open is otherwise
+            # finalised by some later test's garbage collection, failing that test on its
+            # ResourceWarning.
+            runtime = self.memo.get("runtime")
+            if runtime is not None:
+                await runtime.api.close()
+                await runtime.http.close()
 
     async def start(self) -> None:
         self._stop = threading.Event()
