@@ -1,10 +1,10 @@
-"""``make bench``: speed figures measured side by side in one run.
+"""``make bench``: speed and memory figures measured side by side in one run.
 
 1. Policy core: block accesses per second for each policy in sequential mode on
    two generated traces of about one million block accesses each, document QA
    (where ``trio``'s LFU leads) and multi-turn conversations (where its ARC and LRU
-   lead), and each policy's time relative to LRU's and to ARC's (issue 7 asks
-   ``trio`` for at most twice ARC's time).
+   lead), each policy's time relative to LRU's and to ARC's (issue 7 asks ``trio``
+   for at most twice ARC's time), and the bytes it holds per cache block.
 2. vLLM adapter: the same request stream through vLLM's own BlockPool with its
    native LRU free queue and with the plugin's policies, and the ratio.
 3. Load test: the open-loop dispatcher's lag at several request rates.
