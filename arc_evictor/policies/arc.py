@@ -217,10 +217,14 @@ class ARC(EvictionPolicy):
         return self._t1_size + self._t2_size
 
     def resident_keys(self) -> Iterator[Key]:
+        yield from self._released()
+        yield from self._pinned
+
+    def _released(self) -> Iterator[Key]:
+        """Unpinned resident keys (T1 and T2), least recently released first."""
         by_release = heapq.merge(self._t1.items(), self._t2.items(), key=lambda item: item[1])
         for key, _stamp in by_release:
             yield key
-        yield from self._pinned
 
     def list_sizes(self) -> dict[str, int]:
         return {"t1": self._t1_size, "t2": self._t2_size, "b1": len(self._b1), "b2": len(self._b2)}

@@ -51,7 +51,6 @@ their decayed hit counts; ``_expert`` the index of the expert that leads.
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Iterator
 
 from arc_evictor.policies.arc import ARC, B1, B2, T1, T2
@@ -218,12 +217,6 @@ class Trio(ARC):
             where[key] = list_
             (self._b1 if list_ == B1 else self._b2)[key] = None
         freq.stop_order()
-
-    def _released(self) -> Iterator[Key]:
-        """ARC's unpinned resident keys, least recently released first."""
-        by_release = heapq.merge(self._t1.items(), self._t2.items(), key=lambda item: item[1])
-        for key, _stamp in by_release:
-            yield key
 
     def insert(self, key: Key) -> None:
         if self._expert == _LFU:
