@@ -19,7 +19,7 @@ scans at most ``MAX_COUNT`` counts. An owner that needs the order only now and t
 (``trio``) keeps counts always and builds the order on demand (``start_order``).
 
 Name map: ``_buckets`` count -> unpinned keys of that count (with release stamps from
-``_clock``); ``_counts`` resident keys' counts; ``_history`` evicted keys' counts;
+``_clock``); ``counts`` resident keys' counts; ``_history`` evicted keys' counts;
 ``_min`` the lowest bucket.
 """
 
@@ -39,7 +39,9 @@ class FrequencyOrder:
     """Unpinned resident keys ordered by (count, release), and every key's count.
 
     Invariants (checked by ``verify``):
-    - ``_counts`` maps every resident key, pinned or not, to its count in [1, MAX_COUNT];
+    - ``counts`` maps every resident key, pinned or not, to its count in [1, MAX_COUNT]
+      (public: while not ``ordered`` an owner may raise a resident key's count itself,
+      as ``trio``'s hot path does, saving a call per block);
     - while ``ordered``: ``_buckets`` maps each count to a non-empty order of exactly
       the unpinned resident keys with that count, least recently released first (value:
       a release stamp from ``_clock``, increasing); otherwise ``_buckets`` is empty;
@@ -53,7 +55,7 @@ class FrequencyOrder:
             raise PolicyError(f"LFU history limit must be >= 0, got {history_limit}")
         self.history_limit = history_limit
         self.ordered = ordered
-        self._counts: dict[Key, int] = {}
+        self.counts: dict[Key, int] = {}
         self._buckets: dict[int, OrderedDict[Key, int]] = {}
         self._history: OrderedDict[Key, int] = OrderedDict()
         self._min = 0
@@ -62,28 +64,28 @@ class FrequencyOrder:
 
     def __contains__(self, key: object) -> bool:
         """True if ``key`` is resident."""
-        return key in self._counts
+        return key in self.counts
 
     def __len__(self) -> int:
-        return len(self._counts)
+        return len(self.counts)
 
     def resident(self) -> set[Key]:
         """A copy of the resident keys (for checks)."""
-        return set(self._counts)
+        return set(self.counts)
 
     def count(self, key: Key) -> int:
         """The remembered count of ``key`` (resident or in the history), else 0."""
-        return self._counts.get(key) or self._history.get(key, 0)
+        return self.counts.get(key) or self._history.get(key, 0)
 
     def access(self, key: Key) -> None:
         """One more use of ``key``; a key that is not resident becomes the pending one."""
-        count = self._counts.get(key)
+        count = self.counts.get(key)
         if count is None:
             self._pending = min(self._history.pop(key, 0) + 1, MAX_COUNT)
             return
         if count == MAX_COUNT:
             return
-        self._counts[key] = count + 1
+        self.counts[key] = count + 1
         bucket = self._buckets.get(count)
         if bucket is not None and key in bucket:
             # Only the plain driver finds an unpinned key; the pool pins first.
@@ -92,7 +94,7 @@ class FrequencyOrder:
 
     def add(self, key: Key) -> None:
         """The pending key is resident now (and pinned: in no bucket)."""
-        self._counts[key] = self._pending or 1
+        self.counts[key] = self._pending or 1
         self._pending = 0
 
     def start_order(self, unpinned: Iterable[Key]) -> None:
@@ -100,7 +102,7 @@ class FrequencyOrder:
         assert not self.ordered, "the LFU order is built already"
         self.ordered = True
         for key in unpinned:
-            self._link(key, self._counts[key])
+            self._link(key, self.counts[key])
 
     def stop_order(self) -> None:
         """Drop the order (counts and history stay): ``hold`` and ``release`` may stop."""
@@ -109,17 +111,17 @@ class FrequencyOrder:
 
     def hold(self, key: Key) -> None:
         """``key`` is pinned: out of the order, count kept (only while ordered)."""
-        count = self._counts[key]
+        count = self.counts[key]
         self._unlink(key, count, self._buckets[count])
 
     def release(self, key: Key) -> None:
         """``key`` is unpinned: back in the order, the most recent of its count (while
         ordered)."""
-        self._link(key, self._counts[key])
+        self._link(key, self.counts[key])
 
     def drop(self, key: Key, *, remember: bool) -> None:
         """Unpinned ``key`` leaves the cache; ``remember`` keeps its count in the history."""
-        count = self._counts.pop(key)
+        count = self.counts.pop(key)
         if self.ordered:
             self._unlink(key, count, self._buckets[count])
         if remember and self.history_limit:
@@ -154,7 +156,7 @@ class FrequencyOrder:
             yield key
 
     def clear(self) -> None:
-        self._counts.clear()
+        self.counts.clear()
         self._buckets.clear()
         self._history.clear()
         self._min = 0
@@ -179,12 +181,12 @@ class FrequencyOrder:
 
     def verify(self, unpinned: set[Key], pinned: set[Key]) -> None:
         """Check the invariants against the owner's unpinned and pinned resident keys."""
-        assert set(self._counts) == unpinned | pinned, "LFU counts differ from resident keys"
+        assert set(self.counts) == unpinned | pinned, "LFU counts differ from resident keys"
         in_buckets: set[Key] = set()
         for count, bucket in self._buckets.items():
             assert bucket, f"LFU keeps an empty bucket for count {count}"
             for key in bucket:
-                assert self._counts[key] == count, f"LFU key {key!r} sits in the wrong bucket"
+                assert self.counts[key] == count, f"LFU key {key!r} sits in the wrong bucket"
                 in_buckets.add(key)
             stamps = list(bucket.values())
             assert stamps == sorted(stamps), f"LFU bucket {count} out of release order"
@@ -192,9 +194,9 @@ class FrequencyOrder:
             assert in_buckets == unpinned, "LFU buckets differ from the unpinned resident keys"
         else:
             assert not self._buckets, "LFU keeps buckets while not ordered"
-        assert all(1 <= c <= MAX_COUNT for c in self._counts.values()), "LFU count out of range"
+        assert all(1 <= c <= MAX_COUNT for c in self.counts.values()), "LFU count out of range"
         assert len(self._history) <= self.history_limit, "LFU history exceeds its limit"
-        assert not self._history.keys() & self._counts.keys(), "a resident key is in LFU history"
+        assert not self._history.keys() & self.counts.keys(), "a resident key is in LFU history"
         if self._buckets:
             assert self._min == min(self._buckets), f"LFU minimum {self._min} is stale"
 
