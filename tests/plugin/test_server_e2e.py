@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import random
+import threading
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -151,17 +152,39 @@ def test_lru_hits_and_evictions_move_as_predicted(server: VllmServer) -> None:
 def test_live_switch_under_load_then_arc_protects_a_reused_prefix(
     server: VllmServer, config_file: Path
 ) -> None:
-    prompts = [prompt(200 + i, 2) for i in range(12)]
+    # Long generations (ignore_eos) keep the engine stepping; the switch happens at the first
+    # step after a poll (every 100 ms here). Each worker goes on until the switch is seen, so
+    # the load outlasts any scheduling delay (a fixed sleep before the write did not: on a
+    # busy machine the load could end first, and an idle engine never polls).
+    switched = threading.Event()
+    busy = [False] * 6  # worker i has a request in flight
+
+    def generate(worker: int) -> list[dict]:
+        results = []
+        while not results or not switched.is_set():
+            busy[worker] = True
+            results.append(complete(server, prompt(200 + worker, 2), 160))
+            busy[worker] = False
+        return results
+
+    before = metrics(server)
     with ThreadPoolExecutor(max_workers=6) as pool:
-        # Long generations (ignore_eos) keep the engine stepping while the file changes; the
-        # switch happens at the first step after a poll (every 100 ms here).
-        futures = [pool.submit(complete, server, p, 160) for p in prompts]
-        time.sleep(0.5)
+        futures = [pool.submit(generate, worker) for worker in range(6)]
+        wait_for(
+            server,
+            lambda m: (
+                value(m, "arc_evictor_block_queries_total")
+                > value(before, "arc_evictor_block_queries_total")
+            ),
+        )
         config_file.write_text(json.dumps({"policy": "arc"}))
-        results = [f.result(timeout=300) for f in futures]
+        m = wait_for(server, lambda m: value(m, "arc_evictor_policy_info", policy="arc") == 1)
+        in_flight = sum(busy)
+        switched.set()
+        results = [result for future in futures for result in future.result(timeout=300)]
+    assert in_flight >= 2, "the switch was not seen under load"
     assert all(r["choices"][0]["finish_reason"] == "length" for r in results)
     assert all(r["usage"]["completion_tokens"] == 160 for r in results)
-    m = wait_for(server, lambda m: value(m, "arc_evictor_policy_info", policy="arc") == 1)
     assert value(m, "arc_evictor_policy_info", policy="arc") == 1
     assert value(m, "arc_evictor_policy_info", policy="lru") == 0
     assert value(m, "arc_evictor_policy_switches_total") == 1
