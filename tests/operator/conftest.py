@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
+import jsonpatch
 import kmock
 import kopf
 import pytest
@@ -176,7 +177,23 @@ def cluster(kmock: kmock.KubernetesEmulator, tmp_path: Path, monkeypatch: pytest
     path = tmp_path / "kubeconfig"
     path.write_text(yaml.safe_dump(config))
     monkeypatch.setenv("KUBECONFIG", str(path))
+    monkeypatch.setattr(type(kmock), "_render_error", _refuse_failed_patch_tests)
     return kmock
+
+
+_render_error = kmock.KubernetesEmulator._render_error
+
+
+async def _refuse_failed_patch_tests(
+    self: kmock.KubernetesEmulator, exc: Exception
+) -> web.StreamResponse:
+    """A JSON patch whose ``test`` op fails gets 422, as from the API server; kmock 0.8 answers
+    500. kopf tests the resourceVersion when it patches: on 422 it takes the object's newer
+    version and tries again, on 500 it retries the stale patch 9 times with backoff (a spec
+    edit that raced an operator write then stalled the operator past the tests' 10 s waits)."""
+    if isinstance(exc, jsonpatch.JsonPatchTestFailed):
+        exc = kmock.KubernetesError(status=422, reason="Invalid", message=str(exc))
+    return await _render_error(self, exc)
 
 
 class RunningOperator:
