@@ -98,6 +98,22 @@ def template_of(cluster, name: str) -> dict[str, Any]:
     return stored(cluster, DEPLOYMENTS, name)["spec"]["template"]
 
 
+async def test_a_stale_json_patch_gets_422_and_changes_nothing(cluster) -> None:
+    """The API server's answer that kopf's optimistic concurrency relies on (see conftest)."""
+    await create_sp(cluster, "demo", make_spec(policy="LRU"))
+    await edit_spec(cluster, "demo", 2, policy="ARC")
+    response = await cluster.patch(
+        f"{SP_PATH}/demo",
+        json=[
+            {"op": "test", "path": "/metadata/resourceVersion", "value": "1"},
+            {"op": "replace", "path": "/spec/policy", "value": "DBL"},
+        ],
+        headers={"Content-Type": "application/json-patch+json"},
+    )
+    assert response.status == 422, await response.text()
+    assert stored(cluster, SP_RESOURCE, "demo")["spec"]["policy"] == "ARC"
+
+
 async def test_create_makes_owned_children_with_policy_config(cluster, operator) -> None:
     await create_sp(cluster, "demo", make_spec(policy="ARC"))
     deployment = await eventually(lambda: stored(cluster, DEPLOYMENTS, "demo"))
