@@ -225,9 +225,10 @@ class LFU(EvictionPolicy):
     def access(self, key: Key) -> bool:
         order = self._order
         order.access(key)  # an unpinned key moves to its new count's bucket
-        if key in order:
+        counts = order.counts  # the dict itself: this runs for every sampled key in trio
+        if key in counts:
             return True
-        if len(order) == self.capacity:
+        if len(counts) == self.capacity:
             order.drop(order.first(), remember=True)
             self.counters.count_eviction("lfu")
         order.add(key)

@@ -37,7 +37,8 @@ Prefix caches: all three orders evict a block's descendants before the block
 child's, ties by release order).
 
 Cost: O(1) per operation, amortised: the leading order's work (ARC's or LFU's), one
-count per ``find``, one multiplicative hash per ``find``, and a sampled share of the
+count per ``find``, one multiplicative hash per missed ``find`` (a hit reads the key's
+membership of the sampled resident keys instead), and a sampled share of the
 work in three miniature caches (under 2,048 / c of the keys: every key below 2,048
 blocks, 1/8 at 13,072). A change of lead between LFU and the others costs O(c): it
 builds one order (merging ARC's two lists, or at most 255 count buckets) and, when ARC
@@ -46,7 +47,8 @@ once a window, and a window is about ``c / 2`` accesses.
 
 Name map: ``_freq`` the counts and frequency order; ``_reused`` the keys ARC would
 hold in T2 while LFU leads; ``_minis`` the miniatures (ARC, LRU, LFU); ``_scores``
-their decayed hit counts; ``_expert`` the index of the expert that leads.
+their decayed hit counts; ``_expert`` the index of the expert that leads;
+``_sampled_resident`` the resident keys in the sample.
 """
 
 from __future__ import annotations
@@ -89,6 +91,7 @@ class Trio(ARC):
       holds only resident keys, ARC's lists and ghosts are empty, and
       ``0 <= _p <= capacity``;
     - the miniatures hold only sampled keys and are valid policies themselves;
+    - ``_sampled_resident`` holds exactly the resident keys in the sample;
     - ``0 <= _window_count < window``; ``_expert`` is the best score as of the last
       window's end (ARC before the first).
     """
@@ -126,6 +129,10 @@ class Trio(ARC):
         self._expert = _ARC
         # While LFU leads: the resident keys ARC would hold in T2 (hit since they entered).
         self._reused: set[Key] = set()
+        # A hit asks this set instead of hashing the key (most accesses are hits).
+        self._sampled_resident: set[Key] = set()
+        # Whether the key that missed in the last ``find`` is in the sample.
+        self._pending_sampled = False
 
     def describe(self) -> str:
         return f"trio-1/{1 << self._sample_bits}"
@@ -142,9 +149,16 @@ class Trio(ARC):
     access = EvictionPolicy.access
 
     def find(self, key: Key) -> bool:
-        # _sampled and _stable_hash inline: this runs for every block of every request.
-        hashed = int.from_bytes(key[:8], "big") if key.__class__ is bytes else hash(key)
-        if (hashed * _GOLDEN) & _MASK64 < self._sample_limit:
+        freq = self._freq
+        counts = freq.counts
+        count = counts.get(key)
+        if count is None:
+            # _sampled and _stable_hash inline: this runs for every missed block.
+            hashed = int.from_bytes(key[:8], "big") if key.__class__ is bytes else hash(key)
+            sampled = self._pending_sampled = (hashed * _GOLDEN) & _MASK64 < self._sample_limit
+        else:
+            sampled = key in self._sampled_resident
+        if sampled:
             arc, lru, lfu = self._minis
             hits = self._window_hits
             hits[_ARC] += arc.access(key)
@@ -153,21 +167,32 @@ class Trio(ARC):
             self._window_count += 1
             if self._window_count == self.window:
                 self._end_window()
-        freq = self._freq
         if self._expert != _LFU:
-            if ARC.find(self, key):
-                counts = freq.counts  # FrequencyOrder.access inline: no order to keep
-                count = counts[key]
-                if count < MAX_COUNT:
-                    counts[key] = count + 1
-                return True
-            freq.access(key)  # a miss: the count comes back from the history
-            return False
-        freq.access(key)
-        if key in freq.counts:
-            self._reused.add(key)
+            if count is None:
+                ARC.find(self, key)  # a ghost hit moves p
+                freq.access(key)  # the count comes back from the history
+                return False
+            # A hit: FrequencyOrder.access (no order to keep) and ARC.find's hit inline, a
+            # call less per block; test_trio holds this copy to ARC's victims.
+            if count < MAX_COUNT:
+                counts[key] = count + 1
+            if self._where[key] == T1:
+                self._t1_size -= 1
+                self._t2_size += 1
+                self._where[key] = T2
+                if self._t1.pop(key, None) is not None:  # unpinned: the plain driver's order
+                    self._clock += 1
+                    self._t2[key] = self._clock
+            elif key in self._t2:
+                self._clock += 1
+                self._t2[key] = self._clock
+                self._t2.move_to_end(key)
             return True
-        return False
+        freq.access(key)
+        if count is None:
+            return False
+        self._reused.add(key)
+        return True
 
     def _end_window(self) -> None:
         scores, hits = self._scores, self._window_hits
@@ -232,6 +257,8 @@ class Trio(ARC):
         else:
             ARC.insert(self, key)
         self._freq.add(key)
+        if self._pending_sampled:
+            self._sampled_resident.add(key)
 
     def to_evict(self) -> Key | None:
         expert = self._expert
@@ -247,6 +274,7 @@ class Trio(ARC):
 
     def evict(self, key: Key) -> None:
         self._freq.drop(key, remember=True)
+        self._sampled_resident.discard(key)
         if self._expert != _LFU:
             ARC.evict(self, key)
             return
@@ -262,27 +290,26 @@ class Trio(ARC):
         if self._expert != _LFU:
             ARC.remove(self, key)
         self._reused.discard(key)
+        self._sampled_resident.discard(key)
         self._freq.drop(key, remember=False)
 
     # ARC's pin and unpin inline: a call less for every block a request takes and frees.
     def pin(self, key: Key) -> None:
-        where = self._where.get(key)
-        if where == T1:
-            del self._t1[key]
-        elif where == T2:
-            del self._t2[key]
-        else:  # LFU leads: ARC's directory is empty
+        if self._expert == _LFU:
             self._freq.hold(key)
+        elif self._where[key] == T1:
+            del self._t1[key]
+        else:
+            del self._t2[key]
         self._pinned.add(key)
 
     def unpin(self, key: Key) -> None:
         self._pinned.remove(key)
-        where = self._where.get(key)
-        if where is None:  # LFU leads
+        if self._expert == _LFU:
             self._freq.release(key)
             return
         self._clock += 1
-        (self._t1 if where == T1 else self._t2)[key] = self._clock
+        (self._t1 if self._where[key] == T1 else self._t2)[key] = self._clock
 
     def __contains__(self, key: object) -> bool:
         return key in self._freq
@@ -315,6 +342,7 @@ class Trio(ARC):
         self._window_count = 0
         self._expert = _ARC
         self._reused.clear()
+        self._sampled_resident.clear()
 
     def verify(self) -> None:
         assert self._freq.ordered == (self._expert == _LFU), "Trio LFU order out of step"
@@ -338,3 +366,6 @@ class Trio(ARC):
                 "a miniature cache holds a key outside the sample"
             )
         assert 0 <= self._window_count < self.window, "Trio window count out of range"
+        assert self._sampled_resident == {k for k in self._freq.counts if self._sampled(k)}, (
+            "Trio's resident sample differs from the sampled resident keys"
+        )

@@ -13,6 +13,7 @@ from policy_support import access, run_plain, zipf_keys
 
 from arc_evictor.policies import ARC, LRU, PolicyError, Trio
 from arc_evictor.policies.lfu import LFU
+from arc_evictor.pool import BlockPool
 
 CAPACITY = 8
 
@@ -58,6 +59,36 @@ def test_victims_are_arcs_while_arc_leads() -> None:
     victim = policy.to_evict()
     assert victim == ARC.to_evict(policy)
     assert victim != next(iter(policy.resident_keys()))  # not merely LRU's oldest
+
+
+def arc_far_ahead(capacity: int) -> Trio:
+    """A trio whose ARC expert leads all along: its score outweighs any window's hits."""
+    policy = Trio(capacity)
+    policy._scores = [1e12, 0.0, 0.0]
+    return policy
+
+
+def test_while_arc_leads_the_cache_is_arcs_block_for_block() -> None:
+    # Trio keeps its own copies of ARC's hit, pin and unpin paths (a call less per block).
+    keys = shifting_keys()
+    trio_victims: list[int] = []
+    arc_victims: list[int] = []
+    trio, arc = arc_far_ahead(CAPACITY), ARC(CAPACITY)
+    assert run_plain(trio, keys, evicted=trio_victims) == run_plain(arc, keys, evicted=arc_victims)
+    assert trio.expert == "arc" and trio_victims == arc_victims
+    # The pool's order of calls: a cached block is pinned before ``find`` sees it.
+    trio, arc = arc_far_ahead(CAPACITY), ARC(CAPACITY)
+    trio_pool, arc_pool = BlockPool(trio), BlockPool(arc)
+    for start in range(0, len(keys), 3):
+        request = list(dict.fromkeys(keys[start : start + 3]))
+        assert trio_pool.take(request) == arc_pool.take(request)
+        trio_pool.give_back(request)
+        arc_pool.give_back(request)
+        assert list(trio.resident_keys()) == list(arc.resident_keys())
+        assert trio.list_sizes() == arc.list_sizes() and trio.target == arc.target
+    trio.verify()
+    assert trio.expert == "arc"
+    assert arc.counters.ghost_hits["b1"] and arc.counters.ghost_hits["b2"]
 
 
 def test_follows_release_order_when_lru_hits_most() -> None:
