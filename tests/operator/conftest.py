@@ -209,19 +209,10 @@ class RunningOperator:
         self._stop = threading.Event()
         # The operator-wide memo of the current run (handlers keep their Runtime in it).
         self.memo = kopf.Memo()
-        # (namespace, name) -> metadata of the last ServingPolicy event the operator handled.
-        self.seen: dict[tuple[str, str], dict[str, Any]] = {}
 
     def _run(self, ready: threading.Event) -> None:
         registry = kopf.OperatorRegistry()
         register(registry, self.config)
-
-        # kopf updates its indices from an event before it calls that event's handlers, so a
-        # test that sees a state here knows the operator's index holds it too.
-        @kopf.on.event(GROUP, VERSION, PLURAL, id="test_observer", registry=registry)
-        def observe(body: kopf.Body, name: str, namespace: str, **_: Any) -> None:
-            self.seen[namespace, name] = copy.deepcopy(dict(body["metadata"]))
-
         asyncio.run(self._operate(registry, ready))
 
     async def _operate(self, registry: kopf.OperatorRegistry, ready: threading.Event) -> None:
