@@ -128,9 +128,9 @@ def test_sample_trace_is_the_repository_copy(tmp_path: Path) -> None:
 
 @pytest.mark.xfail(
     strict=True,
-    reason="issue 7's targets are not met yet: trio closes a quarter of the gap to Belady on "
-    "document QA only, and stays within 0.7 points of max(LRU, ARC) elsewhere without "
-    "closing the gap (see README, 'Which policy to use')",
+    reason="issue 7's targets are not met: trio closes a quarter of the gap to Belady on "
+    "document QA only (no online policy can on the conversations: test_online_bound.py), and "
+    "stays within 0.7 points of max(LRU, ARC) elsewhere (see README, 'Which policy to use')",
 )
 def test_candidate_meets_issue_7_targets(evaluated) -> None:
     _, rows = evaluated
