@@ -2,12 +2,14 @@
 
 The generator's sessions are memoryless (geometric turn counts, exponential think times), so
 the chance that an idle session comes back only falls with its idle time: recency is the best
-online order for a session's blocks. The only blocks worth more than their recency are the
-shared system prompts. So the best online policy is about LRU that never evicts a prompt block
-while anything else can go, and on the evaluation's own conversation traces it closes less
-than a quarter of the gap from max(LRU, ARC) to Belady at the two smallest capacities. Belady's
-lead there is knowing which sessions end. If this test fails, the generator has changed and
-the target may be within reach: see README, "Which policy to use".
+online order for a session's blocks (apart from the 4% of sessions that reach the turn cap,
+whose last turn no policy can tell from its blocks). The only blocks worth more than their
+recency are the shared system prompts. So the best online policy, told which blocks are the
+prompts, is LRU that never evicts a prompt block while anything else can go. On the
+evaluation's own conversation traces it closes less than a quarter of the gap from max(LRU,
+ARC) to Belady at the two smallest capacities: Belady's lead there is knowing which sessions
+end. If this test fails, the generator has changed and the target may be within reach (README,
+"Which policy to use").
 """
 
 from __future__ import annotations
