@@ -2,8 +2,8 @@
 
 The generator's sessions are memoryless (geometric turn counts, exponential think times), so
 the chance that an idle session comes back only falls with its idle time: recency is the best
-online order for a session's blocks (apart from the 4% of sessions that reach the turn cap,
-whose last turn no policy can tell from its blocks). The only blocks worth more than their
+online order for a session's blocks (apart from the 4% of sessions that reach the turn cap;
+README: a policy told those too still falls short). The only blocks worth more than their
 recency are the shared system prompts. So the best online policy, told which blocks are the
 prompts, is LRU that never evicts a prompt block while anything else can go. On the
 evaluation's own conversation traces it closes less than a quarter of the gap from max(LRU,
