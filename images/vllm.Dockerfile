@@ -1,22 +1,22 @@
 # syntax=docker/dockerfile:1.7
 # vLLM (GPU) with the arc-evictor plugin: the official vLLM OpenAI server image, pinned to the
-# vLLM release the plugin targets, plus the arc-serving wheel. Build from the repository root:
+# vLLM release the plugin targets, plus the plugin's two pure-Python wheels (arc-evictor and
+# the shared contracts it reads). Build from the repository root:
 #   docker build -f images/vllm.Dockerfile -t ghcr.io/arc-serving/vllm:0.1.0 .
 
-# Stage 1: the arc-serving wheel (pure Python; built once, installed without dependencies).
+# Stage 1: the wheels (pure Python; built once, installed without dependencies).
 FROM python:3.11.11-slim-bookworm AS wheel
 WORKDIR /src
 RUN pip install --no-cache-dir "build==1.2.2.post1"
-COPY pyproject.toml README.md ./
-COPY arc_evictor ./arc_evictor
-COPY loadtest ./loadtest
-COPY operator ./operator
-RUN python -m build --wheel --outdir /dist
+COPY common ./common
+COPY evictor ./evictor
+RUN python -m build --wheel --outdir /dist common \
+    && python -m build --wheel --outdir /dist evictor
 
 # Stage 2: the serving image. The base brings vllm, torch and prometheus-client.
 FROM vllm/vllm-openai:v0.32.0
 COPY --from=wheel /dist/ /tmp/dist/
-RUN python3 -m pip install --no-cache-dir --no-deps /tmp/dist/arc_serving-*.whl \
+RUN python3 -m pip install --no-cache-dir --no-deps /tmp/dist/*.whl \
     && rm -rf /tmp/dist \
     && useradd --uid 10001 --user-group --create-home --shell /usr/sbin/nologin vllm
 # The plugin stays inert unless ARC_EVICTOR_POLICY or ARC_EVICTOR_CONFIG is set (the operator

@@ -21,9 +21,9 @@ import pytest
 import requests
 import yaml
 
-from arc_evictor.tinymodel import build_tiny_llama
-from arc_evictor.vllm_server import VllmServer
-from loadtest.run import ReplayRun, run_replay
+from arc_dev.tinymodel import build_tiny_llama
+from arc_dev.vllm_server import VllmServer
+from arc_loadtest.run import ReplayRun, run_replay
 
 pytestmark = [pytest.mark.vllm, pytest.mark.locust, pytest.mark.slow]
 

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from arc_evictor.vllm_server import API_KEY_ENV, VllmServer
-from loadtest.replay import ReplaySettings, auth_failure, auth_headers
-from loadtest.report import format_summary, summarize
+from arc_dev.vllm_server import API_KEY_ENV, VllmServer
+from arc_loadtest.replay import ReplaySettings, auth_failure, auth_headers
+from arc_loadtest.report import format_summary, summarize
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import yaml
 
-from arc_evictor.vllm_plugin.metrics import METRIC_NAMES
+from arc_serving_common.names import METRIC_NAMES
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "arc-serving"

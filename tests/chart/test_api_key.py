@@ -13,10 +13,10 @@ import re
 from typing import Any
 
 import pytest
-from arc_operator.models import parse_spec
 from chart_helpers import RELEASE, by_kind, ci_values, helm_template, one, render
 
-from loadtest.replay import LOADTEST_API_KEY_ENV
+from arc_loadtest.replay import LOADTEST_API_KEY_ENV
+from arc_operator.models import parse_spec
 
 SECRET = f"{RELEASE}-arc-serving-api-key"
 KNOWN_KEY = "k3y-under-test_0123456789~+/="

@@ -76,13 +76,6 @@ def test_installed_packages_are_pinned(path: Path) -> None:
                 assert all("==" in p for p in packages), command
 
 
-@pytest.mark.parametrize("path", IMAGES, ids=lambda p: p.stem)
-def test_dockerignore_sends_only_the_sources(path: Path) -> None:
-    ignore = path.with_name(path.name + ".dockerignore")
-    lines = ignore.read_text(encoding="utf-8").splitlines()
-    assert "*" in lines and "!arc_evictor/" in lines
-
-
 def test_make_images_builds_every_dockerfile() -> None:
     makefile = (REPO / "Makefile").read_text(encoding="utf-8")
     listed = re.search(r"^IMAGES := (.+)$", makefile, flags=re.MULTILINE)

@@ -14,9 +14,10 @@ from typing import Any
 
 import kubernetes_validate
 import pytest
+from chart_helpers import CI_VALUES, NAMESPACE, by_kind, ci_values, helm_template, render
+
 from arc_operator import manifests
 from arc_operator.models import OperatorConfig, parse_spec
-from chart_helpers import CI_VALUES, NAMESPACE, by_kind, ci_values, helm_template, render
 
 K8S_VERSION = "1.35.0"
 # Pods that call the Kubernetes API and so get a ServiceAccount token (by component label).

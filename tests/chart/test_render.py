@@ -15,8 +15,6 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
-from arc_operator.manifests import PORT, PORT_NAME, labels
-from arc_operator.models import parse_spec
 from chart_helpers import (
     CHART,
     CI_VALUES,
@@ -32,7 +30,9 @@ from chart_helpers import (
     tool,
 )
 
-from arc_evictor.traces import read_trace
+from arc_operator.manifests import PORT, PORT_NAME, labels
+from arc_operator.models import parse_spec
+from arc_serving_common.traces import read_trace
 
 K8S_VERSION = "1.35.0"
 # Kinds from CRDs: checked by their own tests (ServingPolicy against the CRD, the rest below).

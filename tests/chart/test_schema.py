@@ -13,7 +13,7 @@ import pytest
 import yaml
 from chart_helpers import CHART, CRD_FILE, helm_template
 
-from arc_evictor.policies import policy_names
+from arc_serving_common.names import POLICY_NAMES
 
 SCHEMA = json.loads((CHART / "values.schema.json").read_text(encoding="utf-8"))
 VALUES_TEXT = (CHART / "values.yaml").read_text(encoding="utf-8")
@@ -175,7 +175,7 @@ def test_policy_enum_is_the_operators_policy_list() -> None:
     schema_enum = SCHEMA["properties"]["servingPolicy"]["properties"]["policy"]["enum"]
     crd = yaml.safe_load(CRD_FILE.read_text(encoding="utf-8"))
     spec = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
-    assert schema_enum == [name.upper() for name in policy_names()]
+    assert schema_enum == [name.upper() for name in POLICY_NAMES]
     assert schema_enum == spec["properties"]["policy"]["enum"]
 
 

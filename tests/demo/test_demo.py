@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from arc_evictor import demo
-from arc_evictor.demo import DemoError, PolicyRun, Prediction
+from arc_dev.demo import DemoError, PolicyRun, Prediction
+from arc_dev import demo
 from arc_evictor.vllm_plugin.metrics import PluginMetrics
-from loadtest.report import CacheCounters, summarize
+from arc_loadtest.report import CacheCounters, summarize
 
 
 def make_row(ttft_s: float, *, ok: bool = True, lag_s: float = 0.001) -> dict:
@@ -106,7 +106,7 @@ def test_simulate_only_predicts_a_clear_arc_win_on_the_demo_trace(
 
 
 def test_demo_trace_fits_the_server() -> None:
-    from arc_evictor.generate import docqa
+    from arc_simulator.generate import docqa
 
     longest = max(request.input_length for request in docqa(demo.TRACE))
     assert longest + demo.TRACE.output_tokens * 2 <= demo.MAX_MODEL_LEN

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from arc_evictor import demo
-from arc_evictor.simulate import simulate
-from arc_evictor.tinymodel import build_tiny_llama
-from arc_evictor.traces import load_trace
-from arc_evictor.vllm_server import VllmServer
+from arc_dev.tinymodel import build_tiny_llama
+from arc_dev.vllm_server import VllmServer
+from arc_dev import demo
+from arc_serving_common.traces import load_trace
+from arc_simulator.simulate import simulate
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -65,8 +65,8 @@ def test_prepare_switches_policy_and_empties_the_cache(session: demo.ServerSessi
 def test_replay_counts_the_blocks_the_simulator_counts(
     session: demo.ServerSession, model_dir: Path, tmp_path: Path
 ) -> None:
-    from arc_evictor.generate import DocQAParams, docqa, to_records
-    from arc_evictor.traces import write_trace
+    from arc_serving_common.traces import write_trace
+    from arc_simulator.generate import DocQAParams, docqa, to_records
 
     params = DocQAParams(documents=3, document_tokens=200, questions_per_document=2,
                          question_tokens=20, output_tokens=3, seed=1)  # fmt: skip

@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 import pytest_asyncio
-from arc_operator.models import OperatorConfig
 
+from arc_operator.models import OperatorConfig
 from tests.operator import conftest as operator_fixtures
 from tests.operator.conftest import PodMetricsServer, RunningOperator
 

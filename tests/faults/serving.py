@@ -7,9 +7,9 @@ from pathlib import Path
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
-from arc_evictor.generate import DocQAParams, docqa, to_records
-from arc_evictor.traces import write_trace
-from arc_evictor.vllm_server import VllmServer
+from arc_dev.vllm_server import VllmServer
+from arc_serving_common.traces import write_trace
+from arc_simulator.generate import DocQAParams, docqa, to_records
 
 BLOCK_TOKENS = 32  # vLLM's CPU block size must be a multiple of 32
 

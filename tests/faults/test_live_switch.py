@@ -23,12 +23,12 @@ from pathlib import Path
 import pytest
 import requests
 
-from arc_evictor.tinymodel import build_tiny_llama
-from arc_evictor.traces import read_trace
-from arc_evictor.vllm_server import VllmServer
-from loadtest.run import run_replay
-from loadtest.stream import completion_body
-from loadtest.tokens import TokenMapper, vocabulary_from_tokenizer
+from arc_dev.tinymodel import build_tiny_llama
+from arc_dev.vllm_server import VllmServer
+from arc_loadtest.run import run_replay
+from arc_loadtest.stream import completion_body
+from arc_loadtest.tokens import TokenMapper, vocabulary_from_tokenizer
+from arc_serving_common.traces import read_trace
 from tests.faults.serving import BLOCK_TOKENS, docqa_trace, metric_sum
 
 pytestmark = [pytest.mark.vllm, pytest.mark.locust, pytest.mark.slow]

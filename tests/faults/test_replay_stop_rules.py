@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from loadtest.replay import ReplaySettings
-from loadtest.report import format_summary, summarize
-from loadtest.run import run_replay
+from arc_loadtest.replay import ReplaySettings
+from arc_loadtest.report import format_summary, summarize
+from arc_loadtest.run import run_replay
 
 GATEWAY_TRACE_REQUESTS = 60
 

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from arc_evictor.tinymodel import build_tiny_llama
-from arc_evictor.vllm_server import VllmServer
-from loadtest.run import ReplayRun, run_replay
+from arc_dev.tinymodel import build_tiny_llama
+from arc_dev.vllm_server import VllmServer
+from arc_loadtest.run import ReplayRun, run_replay
 from tests.faults.serving import BLOCK_TOKENS, docqa_trace, metric_sum
 
 pytestmark = [pytest.mark.vllm, pytest.mark.locust, pytest.mark.slow]

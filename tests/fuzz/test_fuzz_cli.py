@@ -25,7 +25,7 @@ from fuzz_support import count, fuzz_settings
 from hypothesis import given
 from hypothesis import strategies as st
 
-from arc_evictor.cli import main
+from arc_simulator.cli import main
 
 # Placeholders replaced by paths inside the example's folder.
 VALID, BAD, EMPTY, MISSING, FOLDER, EXISTING = (

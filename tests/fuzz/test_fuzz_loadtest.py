@@ -22,8 +22,8 @@ from fuzz_support import count, fuzz_settings
 from hypothesis import given
 from hypothesis import strategies as st
 
-from arc_evictor.traces import TraceError
-from loadtest.replay import ReplaySettings
+from arc_loadtest.replay import ReplaySettings
+from arc_serving_common.traces import TraceError
 
 SECRET = "s3cret-KEY"
 FLOAT_BAD = ["nan", "inf", "-inf", "1e999", "-1", "0", "abc", ""]

@@ -22,11 +22,12 @@ from typing import Any
 
 import jsonschema
 import kubernetes_validate
-from arc_operator import crd, manifests
-from arc_operator.models import SpecError, parse_spec
 from fuzz_support import count, from_openapi, fuzz_settings
 from hypothesis import given
 from hypothesis import strategies as st
+
+from arc_operator import crd, manifests
+from arc_operator.models import SpecError, parse_spec
 
 K8S_VERSION = "1.33"
 

@@ -24,7 +24,7 @@ from fuzz_support import count, fuzz_settings
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from arc_evictor.traces import (
+from arc_serving_common.traces import (
     BLOCK_TOKENS,
     MAX_INT,
     TraceError,

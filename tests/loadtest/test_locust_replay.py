@@ -11,12 +11,12 @@ import pytest
 import requests
 from conftest import conversation_records, write_lines
 
-from arc_evictor.tinymodel import build_tiny_llama
-from arc_evictor.vllm_server import VllmServer
-from loadtest.replay import ServerClient
-from loadtest.report import CacheCounters, parse_counters
-from loadtest.run import ReplayRun, run_replay
-from loadtest.tokens import vocabulary_from_server, vocabulary_from_tokenizer
+from arc_dev.tinymodel import build_tiny_llama
+from arc_dev.vllm_server import VllmServer
+from arc_loadtest.replay import ServerClient
+from arc_loadtest.report import CacheCounters, parse_counters
+from arc_loadtest.run import ReplayRun, run_replay
+from arc_loadtest.tokens import vocabulary_from_server, vocabulary_from_tokenizer
 
 pytestmark = [pytest.mark.vllm, pytest.mark.locust, pytest.mark.slow]
 

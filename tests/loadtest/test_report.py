@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from loadtest.report import CacheCounters, parse_counters, summarize
-from loadtest.stream import StreamError, StreamStats
+from arc_loadtest.report import CacheCounters, parse_counters, summarize
+from arc_loadtest.stream import StreamError, StreamStats
 
 
 def sse(chunk: dict) -> str:

@@ -8,8 +8,8 @@ import gevent
 import pytest
 from conftest import conversation_records, write_lines
 
-from arc_evictor.traces import TraceError, TraceRequest, load_trace
-from loadtest.schedule import Dispatcher, DispatchTiming, PlannedRequest, partition, plan_replay
+from arc_loadtest.schedule import Dispatcher, DispatchTiming, PlannedRequest, partition, plan_replay
+from arc_serving_common.traces import TraceError, TraceRequest, load_trace
 
 
 def make_request(index: int, timestamp_s: float, chat_id: int | None = None,

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from loadtest.tokens import TokenMapper, Vocabulary, VocabularyError, vocabulary_from_tokenizer
+from arc_loadtest.tokens import TokenMapper, Vocabulary, VocabularyError, vocabulary_from_tokenizer
 
 VOCAB = Vocabulary.build(range(200), special={0, 1, 2, 3}, source="test")
 
@@ -66,7 +66,7 @@ def test_bounded_cache_does_not_change_blocks() -> None:
 
 _WORKER_SCRIPT = """
 import json, sys
-from loadtest.tokens import TokenMapper, Vocabulary
+from arc_loadtest.tokens import TokenMapper, Vocabulary
 vocab = Vocabulary.build(range(200), special={0, 1, 2, 3}, source="test")
 mapper = TokenMapper(vocab, seed=7, block_tokens=16)
 print(json.dumps([mapper.prompt([h, h + 1], 30) for h in range(50)]))

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import requests
 
-from arc_evictor.vllm_server import free_port
-from loadtest.run import LOCUSTFILE
+from arc_dev.vllm_server import free_port
+from arc_loadtest.run import LOCUSTFILE
 
 pytestmark = [pytest.mark.locust]
 

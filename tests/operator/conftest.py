@@ -18,11 +18,12 @@ import pytest
 import pytest_asyncio
 import yaml
 from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+
 from arc_operator import GROUP, KIND, PLURAL, VERSION
 from arc_operator.handlers import register
 from arc_operator.metrics import POLICY_INFO
 from arc_operator.models import OperatorConfig
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 NAMESPACE = "serving"
 SP_RESOURCE = kmock.resource(GROUP, VERSION, PLURAL)

@@ -9,11 +9,11 @@ from pathlib import Path
 import kubernetes_validate
 import pytest
 import yaml
+
 from arc_operator import crd, manifests, rbac
 from arc_operator.handlers import is_subset, quantity
 from arc_operator.models import OperatorConfig, SpecError, parse_spec
-
-from arc_evictor.policies import policy_names
+from arc_serving_common.names import POLICY_NAMES
 from tests.operator.conftest import make_spec
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -81,7 +81,7 @@ def test_invalid_spec_is_rejected_naming_the_problem(changes: dict, problem: str
 def test_policy_enum_follows_the_registry() -> None:
     schema = crd.build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
     enum = schema["properties"]["spec"]["properties"]["policy"]["enum"]
-    assert enum == [name.upper() for name in policy_names()]
+    assert enum == [name.upper() for name in POLICY_NAMES]
 
 
 @pytest.mark.parametrize("mode", ["Hot", "Restart"])

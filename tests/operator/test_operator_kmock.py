@@ -12,9 +12,9 @@ import json
 from typing import Any
 
 import pytest
+
 from arc_operator import rbac
 from arc_operator.handlers import CHILD_KINDS
-
 from tests.operator.conftest import (
     CONFIGMAPS,
     DEPLOYMENTS,

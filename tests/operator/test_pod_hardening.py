@@ -19,11 +19,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from arc_dev.tinymodel import build_tiny_llama
+from arc_dev.vllm_server import VllmServer
 from arc_operator import manifests
 from arc_operator.models import OWNED_ENV, WRITABLE_DIR_ENV, SpecError, parse_spec
-
-from arc_evictor.tinymodel import build_tiny_llama
-from arc_evictor.vllm_server import VllmServer
 from tests.operator.conftest import make_spec
 
 ROOT = Path(__file__).resolve().parents[2]

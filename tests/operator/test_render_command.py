@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from arc_operator import render
 
+from arc_operator import render
 from tests.operator.conftest import SERVING_PEERS, make_servingpolicy, make_spec
 
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+
 from arc_operator.metrics import MetricsError, PodMetrics, hit_rate, parse_metrics
 from arc_operator.models import parse_spec
 from arc_operator.status import Observation, Rollout, build_status
-
 from tests.operator.conftest import make_spec, metrics_text
 
 NOW, LATER = "2026-01-01T00:00:00Z", "2026-01-01T00:01:00Z"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from arc_evictor.vllm_plugin.bench import bench_block_pool
+from arc_dev.bench.plugin import bench_block_pool
 
 
 def test_bench_counts_the_same_block_operations_and_lru_decisions_for_every_pool() -> None:

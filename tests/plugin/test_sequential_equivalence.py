@@ -21,10 +21,10 @@ import pytest
 from harness import admit, make_manager, make_request
 from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
 
-from arc_evictor.generate import DocQAParams, docqa, write_generated
 from arc_evictor.policies import make_policy, policy_names
-from arc_evictor.simulate import simulate_sequential
-from arc_evictor.traces import TraceRequest, load_trace
+from arc_serving_common.traces import TraceRequest, load_trace
+from arc_simulator.generate import DocQAParams, docqa, write_generated
+from arc_simulator.simulate import simulate_sequential
 
 BS = 4
 

@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from arc_evictor.tinymodel import build_tiny_llama
-from arc_evictor.vllm_plugin.metrics import METRIC_NAMES
-from arc_evictor.vllm_server import VllmServer, VllmServerError
+from arc_dev.tinymodel import build_tiny_llama
+from arc_dev.vllm_server import VllmServer, VllmServerError
+from arc_serving_common.names import METRIC_NAMES
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

@@ -13,7 +13,7 @@ from policy_support import access, run_plain, zipf_keys
 
 from arc_evictor.policies import ARC, LRU, PolicyError, Trio
 from arc_evictor.policies.lfu import LFU
-from arc_evictor.pool import BlockPool
+from arc_simulator.pool import BlockPool
 
 CAPACITY = 8
 

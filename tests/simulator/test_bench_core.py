@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from arc_evictor.bench import BENCH_TRACES, bench_trace, retained_bytes
+from arc_dev.bench import BENCH_TRACES, bench_trace, retained_bytes
 
 
 @pytest.mark.parametrize("kind", BENCH_TRACES)

@@ -9,14 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from arc_evictor.cli import main
+from arc_simulator import MOONCAKE_SAMPLE
+from arc_simulator.cli import main
 
-SAMPLE = Path("data/traces/mooncake_synthetic.jsonl")
+SAMPLE = MOONCAKE_SAMPLE
 
 
 def run(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "arc_evictor.cli", *args],
+        [sys.executable, "-m", "arc_simulator.cli", *args],
         capture_output=True,
         text=True,
         timeout=300,

@@ -8,18 +8,18 @@ from pathlib import Path
 
 import pytest
 
-from arc_evictor.cli import main
-from arc_evictor.evaluate import (
-    SAMPLE_TRACE,
+from arc_serving_common.traces import load_trace
+from arc_simulator import MOONCAKE_SAMPLE
+from arc_simulator.cli import main
+from arc_simulator.evaluate import (
     EvaluationConfig,
     EvaluationRow,
     check_targets,
     make_row,
     run_evaluation,
 )
-from arc_evictor.generate import ConversationParams, DocQAParams
-from arc_evictor.simulate import SimulationResult, simulate
-from arc_evictor.traces import load_trace
+from arc_simulator.generate import ConversationParams, DocQAParams
+from arc_simulator.simulate import SimulationResult, simulate
 
 SMALL = EvaluationConfig(
     sample_trace=None,
@@ -118,10 +118,10 @@ def test_cli_rejects_bad_seeds_before_any_work(tmp_path: Path, capsys) -> None:
     assert not (tmp_path / "x").exists()
 
 
-def test_sample_trace_is_the_repository_copy(tmp_path: Path) -> None:
+def test_default_sample_is_the_packaged_mooncake_trace(tmp_path: Path) -> None:
     config = EvaluationConfig(seeds=(), capacity_percents=(5.0,), modes=("sequential",))
     rows = run_evaluation(config, tmp_path)
-    assert SAMPLE_TRACE.is_relative_to(Path(__file__).resolve().parents[2])
+    assert MOONCAKE_SAMPLE.is_file()
     assert [row.trace for row in rows] == ["mooncake_synthetic"]
     assert rows[0].hit_rates["belady"] > rows[0].best_of_lru_arc > 0.1
 

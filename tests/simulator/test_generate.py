@@ -6,14 +6,14 @@ from collections import Counter
 
 import pytest
 
-from arc_evictor.generate import (
+from arc_serving_common.traces import load_trace
+from arc_simulator.generate import (
     ConversationParams,
     DocQAParams,
     conversation,
     docqa,
     write_generated,
 )
-from arc_evictor.traces import load_trace
 
 SMALL_DOCQA = DocQAParams(documents=50, document_tokens=600, questions_per_document=8, seed=7)
 SMALL_CHAT = ConversationParams(sessions=30, mean_turns=3, system_prompts=3, seed=7)

@@ -20,12 +20,12 @@ from pathlib import Path
 
 import pytest
 
-from arc_evictor.evaluate import GAP_SHARE, EvaluationConfig, make_row
-from arc_evictor.generate import conversation, write_generated
 from arc_evictor.policies.base import Key
 from arc_evictor.policies.lru import LRU
-from arc_evictor.simulate import simulate, simulate_overlapping, simulate_sequential
-from arc_evictor.traces import BLOCK_TOKENS, load_trace
+from arc_serving_common.traces import BLOCK_TOKENS, load_trace
+from arc_simulator.evaluate import GAP_SHARE, EvaluationConfig, make_row
+from arc_simulator.generate import conversation, write_generated
+from arc_simulator.simulate import simulate, simulate_overlapping, simulate_sequential
 
 EVALUATION = EvaluationConfig()
 

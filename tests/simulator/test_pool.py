@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from arc_evictor.policies import make_policy, policy_names
-from arc_evictor.pool import BlockPool, PoolExhausted
+from arc_simulator.pool import BlockPool, PoolExhausted
 
 
 def pool_of(name: str, capacity: int) -> BlockPool:

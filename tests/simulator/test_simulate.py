@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import pytest
 
-from arc_evictor.generate import (
+from arc_evictor.policies import PolicyError, make_policy, policy_names
+from arc_serving_common.traces import TraceRequest, load_trace
+from arc_simulator.generate import (
     ConversationParams,
     DocQAParams,
     conversation,
     docqa,
     write_generated,
 )
-from arc_evictor.policies import PolicyError, make_policy, policy_names
-from arc_evictor.pool import BlockPool
-from arc_evictor.simulate import CostModel, simulate, simulate_sequential, sweep
-from arc_evictor.traces import TraceRequest, load_trace
+from arc_simulator.pool import BlockPool
+from arc_simulator.simulate import CostModel, simulate, simulate_sequential, sweep
 
 
 def request(keys: list[int], *, index: int = 0, at: float = 0.0, output: int = 4) -> TraceRequest:

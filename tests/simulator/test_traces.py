@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from arc_evictor.traces import TraceError, load_trace, read_trace
+from arc_serving_common.traces import TraceError, load_trace, read_trace
+from arc_simulator import MOONCAKE_SAMPLE
 from tests.simulator.builders import bailian, mooncake
 
 
@@ -137,6 +138,6 @@ def test_unknown_format_name_lists_the_valid_ones(write_lines) -> None:
 
 
 def test_sample_trace_in_the_repo_reads_whole() -> None:
-    requests = load_trace("data/traces/mooncake_synthetic.jsonl")
+    requests = load_trace(MOONCAKE_SAMPLE)
     assert len(requests) == 3993
     assert sum(len(r.hash_ids) for r in requests) == 121_877

@@ -1,0 +1,24 @@
+"""Names several products agree on (docs/architecture.md, "Contracts").
+
+The vLLM plugin owns the policies and the metrics; the operator validates a ServingPolicy's
+``policy`` and reads the pods' metrics by these names without importing the plugin (whose
+package registers a vLLM entry point the operator image must not carry).
+"""
+
+from __future__ import annotations
+
+# Lower-case eviction policy names, in the order the plugin's registry lists them.
+POLICY_NAMES: tuple[str, ...] = ("lru", "dbl", "arc", "s3fifo", "sieve", "trio")
+
+# The plugin's Prometheus metrics, as served on vLLM's /metrics (counters end in _total).
+METRIC_NAMES: tuple[str, ...] = (
+    "arc_evictor_policy_info",
+    "arc_evictor_block_queries_total",
+    "arc_evictor_block_hits_total",
+    "arc_evictor_ghost_hits_total",
+    "arc_evictor_evictions_total",
+    "arc_evictor_resident_blocks",
+    "arc_evictor_ghost_blocks",
+    "arc_evictor_target_recency_blocks",
+    "arc_evictor_policy_switches_total",
+)

@@ -1,0 +1,589 @@
+"""Pydantic models of the ServingPolicy spec and of the operator's own settings.
+
+The models are the single source of truth for the CRD schema (``arc_operator.crd`` generates
+it from them) and for the operator's validation of a spec. They are frozen and do no I/O:
+everything they need is in the spec itself, so a test can build them from plain dicts.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import math
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic.alias_generators import to_camel
+
+from arc_operator import PLURAL
+from arc_serving_common.names import POLICY_NAMES
+
+# Policy names as the custom resource spells them (upper case), generated from the shared
+# names so that a new policy is valid here, in the CRD enum and in the docs at once.
+Policy = enum.StrEnum("Policy", {name.upper(): name.upper() for name in POLICY_NAMES})
+
+
+class SwitchMode(enum.StrEnum):
+    """How a policy change reaches running pods."""
+
+    HOT = "Hot"  # rewrite the policy ConfigMap; the plugin switches live, no restart
+    RESTART = "Restart"  # rolling restart of the pods (maxUnavailable 0)
+
+
+# vLLM arguments the operator sets itself; engineArgs may not repeat or contradict them.
+OWNED_ENGINE_ARGS = frozenset(
+    {
+        "--host",
+        "--port",
+        "--model",
+        "--served-model-name",
+        "--block-size",
+        "--enable-prefix-caching",
+        "--no-enable-prefix-caching",
+        "--num-gpu-blocks-override",
+        "--gpu-memory-utilization",
+        "--max-model-len",
+        # The API key comes from a Secret through VLLM_API_KEY: on the command line it would be
+        # readable by anyone who can list processes (/proc/PID/cmdline, ps) or read the pod spec.
+        "--api-key",
+    }
+)
+# Kubernetes' quantity syntax (k8s.io/apimachinery resource.Quantity), without a sign: a
+# request is never negative. "four" fails here and in the CRD instead of at the API server.
+QUANTITY_PATTERN = (
+    r"^\+?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))"
+    r"(([KMGTPE]i)|[numkMGTPE]|([eE][+-]?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
+)
+# The variable vLLM reads its API key from (vllm.envs); the operator fills it from the Secret
+# that apiKeySecretRef names, so env may not set it.
+API_KEY_ENV = "VLLM_API_KEY"
+# Where vLLM, Hugging Face, torch and triton write (home, caches, temp files): the operator
+# points them at the pod's emptyDirs, since the root filesystem is read-only.
+WRITABLE_DIR_ENV = frozenset({"HOME", "TMPDIR", "XDG_CACHE_HOME", "XDG_CONFIG_HOME"})
+# Telemetry off: vLLM reports usage statistics to its maintainers' server unless one of these
+# is set (vllm.usage.usage_lib); a serving pod sends nothing it was not asked to.
+NO_TELEMETRY_ENV = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+# Environment variables the operator sets itself; env may not override them.
+OWNED_ENV = (
+    frozenset({"ARC_EVICTOR_CONFIG", "ARC_EVICTOR_POLICY", "PROMETHEUS_MULTIPROC_DIR", API_KEY_ENV})
+    | WRITABLE_DIR_ENV
+    | frozenset(NO_TELEMETRY_ENV)
+)
+# A Secret's name is a DNS subdomain (RFC 1123): lower-case labels joined by dots.
+DNS_SUBDOMAIN_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+# A Secret data key (Kubernetes' IsConfigMapKey); "." and ".." are refused by the validator.
+SECRET_KEY_PATTERN = r"^[-._a-zA-Z0-9]+$"
+# The Secret data key that holds the API key when apiKeySecretRef names none.
+DEFAULT_SECRET_KEY = "api-key"
+# vLLM's GPU block tables are built for block sizes that are multiples of 16 tokens.
+BLOCK_SIZE_MULTIPLE = 16
+
+
+def _owned_flag(arg: str) -> str | None:
+    """The owned vLLM flag ``arg`` sets, if any, the way vLLM's parser reads it.
+
+    vLLM's FlexibleArgumentParser turns ``_`` into ``-`` in flag names, and argparse accepts
+    any unambiguous prefix (``--block-si`` is ``--block-size``); no vLLM flag is itself a
+    prefix of an owned one, so every prefix of an owned flag is refused.
+    """
+    if not arg.startswith("--") or arg == "--":
+        return None
+    flag = arg.split("=", 1)[0].replace("_", "-")
+    return next((owned for owned in sorted(OWNED_ENGINE_ARGS) if owned.startswith(flag)), None)
+
+
+class SpecError(ValueError):
+    """A ServingPolicy spec the operator will not act on; the message names every problem."""
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(
+        frozen=True,
+        extra="forbid",
+        alias_generator=to_camel,
+        populate_by_name=True,
+    )
+
+
+class ModelSource(_Frozen):
+    """Which model the pods serve, and under which name the OpenAI API exposes it."""
+
+    name: str = Field(min_length=1, description="Hugging Face model id or a path in the image.")
+    served_name: str | None = Field(
+        default=None,
+        min_length=1,
+        description="Model name clients send in requests (default: the model name).",
+    )
+
+    @property
+    def served(self) -> str:
+        """The name clients use: servedName, or the model name when unset."""
+        return self.served_name or self.name
+
+
+class CacheSpec(_Frozen):
+    """The KV-cache size: exactly one of numBlocks or gpuMemoryUtilization is set."""
+
+    # The same either-or rule for the API server (the CRD schema is generated from this).
+    model_config = ConfigDict(
+        json_schema_extra={
+            "oneOf": [{"required": ["numBlocks"]}, {"required": ["gpuMemoryUtilization"]}]
+        }
+    )
+
+    block_size: int = Field(
+        default=16,
+        ge=BLOCK_SIZE_MULTIPLE,
+        multiple_of=BLOCK_SIZE_MULTIPLE,
+        description="Tokens per KV block (a positive multiple of 16).",
+    )
+    num_blocks: int | None = Field(
+        default=None, ge=1, description="Fixed number of KV blocks (--num-gpu-blocks-override)."
+    )
+    gpu_memory_utilization: float | None = Field(
+        default=None,
+        gt=0,
+        le=1,
+        description="Fraction of GPU memory vLLM may use (--gpu-memory-utilization).",
+    )
+
+    @model_validator(mode="after")
+    def _exactly_one_size(self) -> CacheSpec:
+        if (self.num_blocks is None) == (self.gpu_memory_utilization is None):
+            raise ValueError("exactly one of numBlocks or gpuMemoryUtilization must be set")
+        return self
+
+
+class ResourcesSpec(_Frozen):
+    """What each vLLM pod asks the scheduler for."""
+
+    gpus: int = Field(default=1, ge=0, description="NVIDIA GPUs per pod (nvidia.com/gpu).")
+    # Defaults: vLLM's API server, engine core and tokenizer processes keep a few cores busy,
+    # and host memory holds the weights while loading plus the CPU swap space (4 GiB by
+    # default), so 4 cores and 32Gi fit a 7-8B model on one GPU; bigger models set more.
+    cpu: str = Field(
+        default="4",
+        pattern=QUANTITY_PATTERN,
+        description="CPU request and limit (a Kubernetes quantity: 4, 500m).",
+    )
+    memory: str = Field(
+        default="32Gi",
+        pattern=QUANTITY_PATTERN,
+        description="Memory request and limit (a Kubernetes quantity: 16Gi, 512M).",
+    )
+    home_size_limit: str = Field(
+        default="64Gi",
+        pattern=QUANTITY_PATTERN,
+        description=(
+            "Size limit of the writable HOME emptyDir (Hugging Face downloads, vLLM and torch "
+            "caches); the kubelet evicts a pod that exceeds it. Fit it to the model's size."
+        ),
+    )
+
+
+class EnvVar(_Frozen):
+    """An environment variable for the vLLM container (Kubernetes EnvVar shape)."""
+
+    name: str = Field(min_length=1, description="Variable name.")
+    value: str | None = Field(default=None, description="Literal value.")
+    value_from: dict[str, Any] | None = Field(
+        default=None, description="A Kubernetes EnvVarSource (secretKeyRef, ...)."
+    )
+
+    @model_validator(mode="after")
+    def _source_shape(self) -> EnvVar:
+        # valueFrom is free-form in the CRD (preserved fields), so its shape is checked here:
+        # otherwise a typo passes validation and the Deployment is refused at every reconcile.
+        if self.value_from is None:
+            return self
+        if self.value is not None:
+            raise ValueError(f"env {self.name!r}: set value or valueFrom, not both")
+        sources = sorted(self.value_from)
+        if len(sources) != 1 or sources[0] not in ENV_SOURCES:
+            raise ValueError(
+                f"env {self.name!r}: valueFrom needs exactly one of {', '.join(ENV_SOURCES)}, "
+                f"got {sources}"
+            )
+        source, ref = sources[0], self.value_from[sources[0]]
+        required, optional = ENV_SOURCES[source]
+        fields = {**required, **optional}
+        if not isinstance(ref, dict) or not set(required) <= set(ref) <= set(fields):
+            raise ValueError(
+                f"env {self.name!r}: valueFrom.{source} needs {', '.join(required)} "
+                f"(may have {', '.join(optional)})"
+            )
+        for key, value in ref.items():
+            if not isinstance(value, fields[key]) or (fields[key] is str and not value):
+                raise ValueError(f"env {self.name!r}: valueFrom.{source}.{key} has a wrong type")
+        return self
+
+
+# Kubernetes' EnvVarSource (core/v1, 1.33): source -> (required fields, optional fields) with
+# their JSON types (a resource divisor is a quantity: a string or a number).
+ENV_SOURCES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
+    "configMapKeyRef": ({"key": str}, {"name": str, "optional": bool}),
+    "fieldRef": ({"fieldPath": str}, {"apiVersion": str}),
+    "resourceFieldRef": ({"resource": str}, {"containerName": str, "divisor": str | int}),
+    "secretKeyRef": ({"key": str}, {"name": str, "optional": bool}),
+}
+
+
+class SecretKeyRef(_Frozen):
+    """A key of a Secret in the ServingPolicy's namespace.
+
+    The operator never reads the Secret (it has no RBAC on Secrets): the pod's env names it
+    with ``secretKeyRef`` and the kubelet resolves it when the container starts.
+    """
+
+    name: str = Field(
+        max_length=253, pattern=DNS_SUBDOMAIN_PATTERN, description="Name of the Secret."
+    )
+    key: str = Field(
+        default=DEFAULT_SECRET_KEY,
+        max_length=253,
+        pattern=SECRET_KEY_PATTERN,
+        description="Data key in the Secret that holds the value.",
+    )
+
+    @field_validator("key")
+    @classmethod
+    def _not_a_path_step(cls, key: str) -> str:
+        if key in {".", ".."}:
+            raise ValueError(f"{key!r} is not a valid Secret data key")
+        return key
+
+
+# The API is closed by default: serving without a key must be asked for by name.
+API_KEY_CHOICE = (
+    "set apiKeySecretRef (the Secret holding the API key) or allowUnauthenticated: true "
+    "to serve the API without a key, exactly one of them"
+)
+
+
+class ServingPolicySpec(_Frozen):
+    """The desired state of one vLLM serving deployment and its eviction policy.
+
+    Invariants (checked here, so every consumer sees them): exactly one cache size;
+    with numBlocks, one full-length request fits in the cache (numBlocks * blockSize >=
+    maxModelLen), otherwise the pod could never serve a long prompt; engineArgs and env
+    do not touch the arguments and variables the operator owns; the API is closed by
+    default: exactly one of apiKeySecretRef or ``allowUnauthenticated: true`` is set.
+    """
+
+    plural: ClassVar[str] = PLURAL
+    # The API server checks the cache-size rule too (CEL); the operator's check stays the
+    # authority for clusters whose CRD is older than the operator.
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "!has(self.cache.numBlocks) || "
+                    "self.cache.numBlocks * self.cache.blockSize >= self.maxModelLen",
+                    "message": "cache.numBlocks * cache.blockSize must be at least maxModelLen "
+                    "(one full-length request must fit in the cache)",
+                },
+                {
+                    "rule": "has(self.apiKeySecretRef) != "
+                    "(has(self.allowUnauthenticated) && self.allowUnauthenticated)",
+                    "message": API_KEY_CHOICE,
+                },
+            ]
+        }
+    )
+
+    model: ModelSource = Field(description="The model the pods serve.")
+    image: str = Field(min_length=1, description="vLLM image with the arc-evictor plugin.")
+    # The Deployment field is an int32.
+    replicas: int = Field(default=1, ge=0, le=2**31 - 1, description="Number of vLLM pods.")
+    policy: Policy = Field(default=Policy("LRU"), description="Prefix-cache eviction policy.")
+    switch_mode: SwitchMode = Field(
+        default=SwitchMode.HOT,
+        description="Hot: pods switch policy live; Restart: rolling restart on a policy change.",
+    )
+    cache: CacheSpec = Field(description="KV-cache block size and size.")
+    max_model_len: int = Field(ge=1, description="Longest request in tokens (--max-model-len).")
+    resources: ResourcesSpec = Field(
+        default_factory=ResourcesSpec, description="Per-pod GPU, CPU and memory."
+    )
+    engine_args: list[str] = Field(
+        default_factory=list, description="Extra vLLM arguments, appended after the owned ones."
+    )
+    env: list[EnvVar] = Field(
+        default_factory=list, description="Extra environment variables for the vLLM container."
+    )
+    api_key_secret_ref: SecretKeyRef | None = Field(
+        default=None,
+        description="Secret key holding the API key clients must send as 'Authorization: "
+        "Bearer KEY' on /v1 (the pods read it from env VLLM_API_KEY at start).",
+    )
+    allow_unauthenticated: bool = Field(
+        default=False,
+        description="Serve /v1 without an API key: anyone who reaches the Service can use "
+        "the model. Required (true) when apiKeySecretRef is not set.",
+    )
+
+    @model_validator(mode="after")
+    def _servable(self) -> ServingPolicySpec:
+        problems: list[str] = []
+        if (
+            self.cache.num_blocks is not None
+            and self.cache.num_blocks * self.cache.block_size < self.max_model_len
+        ):
+            problems.append(
+                f"cannot serve maxModelLen={self.max_model_len}: the cache holds only "
+                f"numBlocks*blockSize={self.cache.num_blocks * self.cache.block_size} tokens"
+            )
+        owned_args = sorted({flag for arg in self.engine_args if (flag := _owned_flag(arg))})
+        if "--api-key" in owned_args:
+            owned_args.remove("--api-key")
+            problems.append(
+                "engineArgs may not set --api-key (the command line is visible in the process "
+                "list; name the key's Secret in apiKeySecretRef)"
+            )
+        if owned_args:
+            problems.append(
+                f"engineArgs may not set {', '.join(owned_args)} (set by the operator from spec)"
+            )
+        owned_env = sorted({var.name for var in self.env} & OWNED_ENV)
+        if owned_env:
+            problems.append(f"env may not set {', '.join(owned_env)} (set by the operator)")
+        if self.api_key_secret_ref is None and not self.allow_unauthenticated:
+            problems.append(
+                "apiKeySecretRef is required (the API is closed by default): name the Secret "
+                "holding the API key, or set allowUnauthenticated: true to serve without one"
+            )
+        elif self.api_key_secret_ref is not None and self.allow_unauthenticated:
+            problems.append("set apiKeySecretRef or allowUnauthenticated: true, not both")
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    @property
+    def policy_name(self) -> str:
+        """The lower-case policy name the plugin and its metrics use."""
+        return self.policy.value.lower()
+
+
+class ConditionStatus(enum.StrEnum):
+    """Kubernetes condition status values."""
+
+    TRUE = "True"
+    FALSE = "False"
+    UNKNOWN = "Unknown"
+
+
+class Phase(enum.StrEnum):
+    """One-word summary of a ServingPolicy; the conditions carry the detail."""
+
+    PROGRESSING = "Progressing"  # children applied; pods rolling out or switching policy
+    READY = "Ready"  # every pod ready and reporting the spec's policy
+    STOPPED = "Stopped"  # replicas is 0
+    INVALID = "Invalid"  # the spec is invalid; running pods are left as they were
+
+
+class Condition(_Frozen):
+    """One status condition; lastTransitionTime changes only when status changes."""
+
+    type: str = Field(description="Valid, PolicyApplied or Ready.")
+    status: ConditionStatus
+    reason: str = Field(description="CamelCase reason.")
+    message: str = ""
+    last_transition_time: str = Field(
+        json_schema_extra={"format": "date-time"}, description="RFC 3339 time."
+    )
+    observed_generation: int | None = None
+
+
+class ServingPolicyStatus(_Frozen):
+    """What the operator observed; written by every reconcile and by the status timer."""
+
+    observed_generation: int | None = Field(
+        default=None, description="metadata.generation of the spec last reconciled."
+    )
+    phase: Phase = Field(description="Summary of the conditions.")
+    replicas: int = Field(default=0, description="Pods the Deployment has.")
+    ready_replicas: int = Field(default=0, description="Pods passing their readiness probe.")
+    active_policy: str | None = Field(
+        default=None,
+        description="Policy the pods report on /metrics (comma-separated while they differ).",
+    )
+    hit_rate: float | None = Field(
+        default=None,
+        ge=0,
+        le=1,
+        description="Prefix-cache hit rate (tokens) over the last status interval.",
+    )
+    conditions: list[Condition] = Field(
+        default_factory=list,
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
+    )
+
+
+def _describe(error: ValidationError) -> str:
+    """One line per problem, each naming the spec field by its camelCase path."""
+    lines = []
+    for item in error.errors():
+        path = ".".join(["spec", *(str(part) for part in item["loc"])])
+        message = item["msg"].removeprefix("Value error, ")
+        lines.append(f"{path}: {message}")
+    return "; ".join(lines)
+
+
+# The API server keeps integers as int64; a larger one is refused before the operator sees it.
+INT64 = (-(2**63), 2**63 - 1)
+
+
+def _not_json(value: Any, path: str) -> list[str]:
+    """Problems, by path, of values the API server cannot hold: integers beyond int64,
+    NaN and infinities, and anything that is not JSON data."""
+    if isinstance(value, Mapping):
+        return [bad for key, item in value.items() for bad in _not_json(item, f"{path}.{key}")]
+    if isinstance(value, list):
+        return [bad for i, item in enumerate(value) for bad in _not_json(item, f"{path}.{i}")]
+    if isinstance(value, bool) or value is None or isinstance(value, str):
+        return []
+    if isinstance(value, int):
+        return [] if INT64[0] <= value <= INT64[1] else [f"{path}: integer out of the int64 range"]
+    if isinstance(value, float):
+        return [] if math.isfinite(value) else [f"{path}: {value} is not a JSON number"]
+    return [f"{path}: a {type(value).__name__} is not JSON data"]
+
+
+def _without_nulls(value: Any) -> Any:
+    """``value`` with null object fields dropped, as the API server prunes them (a CRD schema
+    without ``nullable``): ``replicas: null`` means the default, as it does in the cluster."""
+    if isinstance(value, Mapping):
+        return {key: _without_nulls(item) for key, item in value.items() if item is not None}
+    if isinstance(value, list):
+        return [_without_nulls(item) for item in value]
+    return value
+
+
+def parse_spec(spec: Mapping[str, Any]) -> ServingPolicySpec:
+    """Validate a raw spec; raise SpecError naming every problem (nothing else is raised).
+
+    Validation is strict and as JSON, the way the API server checks the CRD schema: ``"3"`` is
+    not an integer, ``true`` is not 1 and ``"true"`` is not a boolean (pydantic's lax mode
+    would coerce all three, accepting specs the API server refuses). Unknown fields are refused
+    by name, where the API server would drop them silently.
+    """
+    if not isinstance(spec, Mapping):
+        raise SpecError(f"spec: expected an object, got {type(spec).__name__}")
+    problems = _not_json(spec, "spec")
+    if problems:
+        raise SpecError("; ".join(problems))
+    try:
+        text = json.dumps(_without_nulls(spec), allow_nan=False)
+    except (TypeError, ValueError) as error:  # a key that is not a string
+        raise SpecError(f"spec: not JSON data ({error})") from None
+    try:
+        return ServingPolicySpec.model_validate_json(text, strict=True)
+    except ValidationError as error:
+        raise SpecError(_describe(error)) from None
+
+
+class LabelSelectorRequirement(_Frozen):
+    """One matchExpressions entry of a Kubernetes LabelSelector."""
+
+    key: str = Field(min_length=1)
+    operator: str = Field(pattern=r"^(In|NotIn|Exists|DoesNotExist)$")
+    values: list[str] | None = None
+
+
+class LabelSelector(_Frozen):
+    """A Kubernetes LabelSelector (empty: everything)."""
+
+    match_labels: dict[str, str] | None = None
+    match_expressions: list[LabelSelectorRequirement] | None = None
+
+
+class IPBlock(_Frozen):
+    """A Kubernetes NetworkPolicy IPBlock."""
+
+    cidr: str = Field(min_length=1)
+    except_: list[str] | None = Field(default=None, alias="except")
+
+
+class NetworkPolicyPeer(_Frozen):
+    """A Kubernetes NetworkPolicyPeer: selectors, or an ipBlock alone (as the API requires)."""
+
+    pod_selector: LabelSelector | None = None
+    namespace_selector: LabelSelector | None = None
+    ip_block: IPBlock | None = None
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> NetworkPolicyPeer:
+        selectors = self.pod_selector is not None or self.namespace_selector is not None
+        if selectors == (self.ip_block is not None):
+            raise ValueError("a peer needs podSelector and/or namespaceSelector, or ipBlock alone")
+        return self
+
+    def manifest(self) -> dict[str, Any]:
+        """The peer as a NetworkPolicy manifest spells it."""
+        return self.model_dump(by_alias=True, exclude_none=True)
+
+
+class OperatorConfig(_Frozen):
+    """The operator's own settings, read once from the environment at start-up.
+
+    ``serving_peers`` (ARC_OPERATOR_SERVING_PEERS, a JSON list of NetworkPolicyPeer objects)
+    are the only clients allowed to reach the serving pods' port 8000 through each
+    ServingPolicy's NetworkPolicy child; none (the default) lets nothing in (kubelet probes are
+    not subject to NetworkPolicy). ``network_policy`` false (ARC_OPERATOR_NETWORK_POLICY) makes
+    no NetworkPolicy at all, for clusters whose own policies govern the serving pods.
+    """
+
+    env_names: ClassVar[dict[str, str]] = {
+        "metrics_port": "ARC_OPERATOR_METRICS_PORT",
+        "status_interval": "ARC_OPERATOR_STATUS_INTERVAL",
+        "scrape_timeout": "ARC_OPERATOR_SCRAPE_TIMEOUT",
+        "network_policy": "ARC_OPERATOR_NETWORK_POLICY",
+        "serving_peers": "ARC_OPERATOR_SERVING_PEERS",
+    }
+
+    metrics_port: int = Field(default=8000, ge=1, le=65535)
+    status_interval: float = Field(default=30.0, gt=0)
+    scrape_timeout: float = Field(default=5.0, gt=0)
+    network_policy: bool = True
+    serving_peers: tuple[NetworkPolicyPeer, ...] = ()
+
+    @field_validator("serving_peers", mode="before")
+    @classmethod
+    def _peers_json(cls, value: Any) -> Any:
+        # The environment holds text: a JSON list.
+        if isinstance(value, str):
+            try:
+                return json.loads(value)
+            except json.JSONDecodeError as error:
+                raise ValueError(
+                    f"not a JSON list of NetworkPolicyPeer objects ({error})"
+                ) from None
+        return value
+
+    def peers(self) -> list[dict[str, Any]] | None:
+        """The serving pods' allowed peers as manifests; None when no NetworkPolicy is made."""
+        return [peer.manifest() for peer in self.serving_peers] if self.network_policy else None
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str]) -> OperatorConfig:
+        """Read the settings; raise SpecError naming the variable for a bad value."""
+        values = {field: environ[var] for field, var in cls.env_names.items() if environ.get(var)}
+        try:
+            return cls.model_validate(values)
+        except ValidationError as error:
+            problems = [
+                f"{cls.env_names[str(item['loc'][0])]}={values[str(item['loc'][0])]!r}: "
+                + "".join(f"[{step}]" for step in item["loc"][1:])
+                + (": " if len(item["loc"]) > 1 else "")
+                + item["msg"]
+                for item in error.errors()
+            ]
+            raise SpecError("invalid operator settings: " + "; ".join(problems)) from None

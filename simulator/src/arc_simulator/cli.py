@@ -1,0 +1,275 @@
+"""The ``arc-evictor`` command: simulate traces and generate workloads.
+
+    arc-evictor simulate TRACE --policy lru,dbl,arc --capacity 1000,10% [--sequential]
+                         [--format auto] [--json] [--plot FILE.png]
+    arc-evictor generate docqa|conversation --out FILE [--form bailian] [--seed 0] ...
+    arc-evictor evaluate [--out out/evaluate] [--seeds 0,1,2] [--capacity 5,10,20,40] [--check]
+
+Bad input (an unknown policy, a malformed trace line, a bad capacity, an unknown
+flag) prints one line naming the problem to stderr and exits with status 2 before
+any work, creating or changing no file or folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+from collections.abc import Sequence
+from dataclasses import fields
+from pathlib import Path
+from typing import NoReturn
+
+from arc_evictor.policies.base import PolicyError
+from arc_serving_common.traces import FORMATS, TraceError, load_trace
+from arc_simulator.generate import (
+    ConversationParams,
+    DocQAParams,
+    conversation,
+    docqa,
+    write_generated,
+)
+from arc_simulator.report import plot, table, to_json
+from arc_simulator.simulate import CostModel, build_policy, simulator_policy_names, sweep
+
+
+class UsageError(ValueError):
+    """A command-line value that cannot be used."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with its errors on one line (no usage block), like every other error here."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def parse_policies(text: str) -> list[str]:
+    names = [name.strip().lower() for name in text.split(",")]
+    if not any(names):
+        raise UsageError(f"--policy needs at least one of: {', '.join(simulator_policy_names())}")
+    if not all(names):  # "arc,,lru" or a trailing comma: a name is missing
+        raise UsageError(f"--policy {text!r}: an empty name between commas")
+    for name in names:
+        build_policy(name, 1, [])
+    return names
+
+
+def parse_capacities(text: str, distinct_blocks: int) -> list[int]:
+    """Block counts, or percentages of the trace's distinct blocks (``10%``)."""
+    capacities = []
+    for item in (part.strip() for part in text.split(",")):
+        try:
+            if item.endswith("%"):
+                share = float(item[:-1])
+                if not 0 < share <= 1000:
+                    raise ValueError
+                capacities.append(max(1, round(distinct_blocks * share / 100)))
+            else:
+                capacities.append(int(item))
+        except ValueError:
+            raise UsageError(
+                f"--capacity item {item!r} is neither a block count nor a percentage like 10%"
+            ) from None
+        if capacities[-1] < 1:
+            raise UsageError(f"--capacity {item!r}: a cache needs at least 1 block")
+    return sorted(set(capacities))
+
+
+def _writable_folder(path: Path) -> bool:
+    """True if ``path``'s folder exists (or can be made) and takes new files.
+
+    Decided without creating anything: the nearest existing ancestor must be a writable
+    folder, and ``path`` itself must not be a folder.
+    """
+    if path.is_dir():
+        return False
+    folder = path.absolute().parent
+    while not folder.exists():
+        folder = folder.parent
+    return folder.is_dir() and os.access(folder, os.W_OK)
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    policies = parse_policies(args.policy)
+    rate = args.prefill_tokens_per_second
+    if not (math.isfinite(rate) and rate > 0):
+        raise UsageError(f"--prefill-tokens-per-second must be a finite number > 0, got {rate}")
+    try:
+        cost = CostModel(
+            prefill_seconds_per_token=1.0 / args.prefill_tokens_per_second,
+            decode_seconds_per_token=args.decode_seconds_per_token,
+            step_seconds=args.step_seconds,
+            max_batch_tokens=args.max_batch_tokens,
+        )
+    except (ValueError, ZeroDivisionError) as error:
+        raise UsageError(str(error)) from None
+    parse_capacities(args.capacity, 1)  # the syntax, before the trace is read
+    if args.plot and not _writable_folder(args.plot):
+        raise UsageError(f"--plot {args.plot}: cannot write into {args.plot.parent}")
+    requests = load_trace(args.trace, args.format, block_tokens=args.block_tokens)
+    distinct = len({key for request in requests for key in request.keys})
+    capacities = parse_capacities(args.capacity, distinct)
+    results = sweep(requests, policies, capacities, sequential=args.sequential, cost=cost)
+    if args.json:
+        print(to_json(results))
+    else:
+        mode = "sequential" if args.sequential else "overlapping"
+        print(
+            f"{args.trace}: {len(requests):,} requests, {distinct:,} distinct blocks, {mode} mode"
+        )
+        print(table(results))
+    if args.plot:
+        title = f"{Path(args.trace).name} ({distinct:,} distinct blocks)"
+        try:
+            written = plot(results, args.plot, title)
+        except OSError as error:
+            raise UsageError(f"--plot {args.plot}: {error.strerror}") from None
+        print(f"plot written to {written}", file=sys.stderr if args.json else sys.stdout)
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    params_type = DocQAParams if args.workload == "docqa" else ConversationParams
+    own = {field.name for field in fields(params_type)}
+    foreign = sorted(
+        "--" + field.name.replace("_", "-")
+        for other in (DocQAParams, ConversationParams)
+        for field in fields(other)
+        if field.name not in own and getattr(args, field.name, None) is not None
+    )
+    if foreign:
+        raise UsageError(f"{', '.join(foreign)}: not a parameter of the {args.workload} workload")
+    overrides = {
+        field.name: getattr(args, field.name)
+        for field in fields(params_type)
+        if getattr(args, field.name, None) is not None
+    }
+    if not _writable_folder(args.out):
+        raise UsageError(f"--out {args.out}: cannot write a file there")
+    try:
+        params = params_type(**overrides)
+        requests = docqa(params) if args.workload == "docqa" else conversation(params)
+        if args.block_tokens is None or args.block_tokens >= 1:  # else write_generated says so
+            args.out.parent.mkdir(parents=True, exist_ok=True)  # like --plot and evaluate --out
+        count = write_generated(args.out, requests, args.form, args.block_tokens)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    except OSError as error:
+        raise UsageError(f"cannot write {args.out}: {error.strerror}") from None
+    print(f"wrote {count:,} requests ({args.workload}, {args.form} form) to {args.out}")
+    return 0
+
+
+def _evaluate(args: argparse.Namespace) -> int:
+    # Imported here: the evaluation pulls in matplotlib, which the other commands do not need.
+    from arc_simulator.evaluate import EvaluationConfig, check_targets, run_evaluation, table
+
+    try:
+        seeds = tuple(int(seed) for seed in args.seeds.split(","))
+        percents = tuple(float(item.rstrip("%")) for item in args.capacity.split(","))
+    except ValueError:
+        raise UsageError(
+            f"--seeds {args.seeds!r} and --capacity {args.capacity!r} must be comma-separated"
+            " numbers"
+        ) from None
+    modes = ("sequential", "overlapping") if args.mode == "both" else (args.mode,)
+    try:
+        candidate = {"candidate": args.candidate.strip().lower()} if args.candidate else {}
+        config = EvaluationConfig(
+            **candidate,
+            seeds=seeds,
+            capacity_percents=percents,
+            modes=modes,
+        )
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    if not _writable_folder(args.out / "evaluate.txt"):
+        raise UsageError(f"--out {args.out}: not a folder this user can write into")
+    rows = run_evaluation(config, args.out, lambda line: print(line, file=sys.stderr))
+    print(table(rows))
+    misses = check_targets(rows)
+    print(f"\nresults, plots and traces in {args.out}")
+    print(f"{config.candidate}: {len(misses)} target misses" + "".join(f"\n  {m}" for m in misses))
+    return 1 if misses and args.check else 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="arc-evictor", description="Prefix-cache eviction policies: simulate and generate."
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    simulate = commands.add_parser("simulate", help="replay a trace through policies and sizes")
+    simulate.add_argument("trace", help="trace file (Mooncake or Qwen-Bailian JSON lines)")
+    simulate.add_argument(
+        "--policy",
+        default="lru,dbl,arc",
+        help=f"comma-separated policies, from: {', '.join(simulator_policy_names())}",
+    )
+    simulate.add_argument(
+        "--capacity",
+        default="5%,10%,20%,40%",
+        help="comma-separated cache sizes in blocks, or percentages of distinct blocks",
+    )
+    simulate.add_argument("--format", default="auto", choices=["auto", *FORMATS])
+    simulate.add_argument("--block-tokens", type=int, help="tokens per hash id (default by form)")
+    simulate.add_argument(
+        "--sequential", action="store_true", help="one request at a time (the reference mode)"
+    )
+    simulate.add_argument("--json", action="store_true", help="print JSON rows instead of a table")
+    simulate.add_argument("--plot", type=Path, help="write hit rate against capacity to FILE.png")
+    cost = simulate.add_argument_group("cost model (overlapping mode; see CostModel)")
+    cost.add_argument("--prefill-tokens-per-second", type=float, default=20_000.0)
+    cost.add_argument("--decode-seconds-per-token", type=float, default=0.02)
+    cost.add_argument("--step-seconds", type=float, default=0.005)
+    cost.add_argument("--max-batch-tokens", type=int, default=1_000_000)
+    simulate.set_defaults(run=_simulate)
+
+    generate = commands.add_parser("generate", help="write a generated workload as a trace")
+    generate.add_argument("workload", choices=["docqa", "conversation"])
+    generate.add_argument("--out", type=Path, required=True, help="trace file to write")
+    generate.add_argument("--form", default="bailian", choices=FORMATS, help="trace form")
+    generate.add_argument("--block-tokens", type=int, help="tokens per hash id (default by form)")
+    for params_type in (DocQAParams, ConversationParams):
+        for field in fields(params_type):
+            option = "--" + field.name.replace("_", "-")
+            if option not in generate._option_string_actions:
+                kind = int if field.type in ("int", int) else float
+                generate.add_argument(
+                    option, type=kind, dest=field.name, help=f"default {field.default}"
+                )
+    generate.set_defaults(run=_generate)
+
+    evaluate = commands.add_parser(
+        "evaluate", help="issue 7's evaluation: every policy and Belady on the evaluation traces"
+    )
+    evaluate.add_argument("--out", type=Path, default=Path("out/evaluate"), help="output folder")
+    evaluate.add_argument("--seeds", default="0,1,2", help="generator seeds, comma-separated")
+    evaluate.add_argument(
+        "--capacity", default="5,10,20,40", help="capacities in percent of distinct blocks"
+    )
+    evaluate.add_argument("--mode", default="both", choices=["both", "sequential", "overlapping"])
+    evaluate.add_argument(
+        "--candidate", help="the policy judged against targets (default: the evaluation's, trio)"
+    )
+    evaluate.add_argument(
+        "--check", action="store_true", help="exit with status 1 when a target is missed"
+    )
+    evaluate.set_defaults(run=_evaluate)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.run(args)
+    except (UsageError, PolicyError, TraceError) as error:
+        print(f"arc-evictor: error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,86 @@
+"""Reporters for simulation results: a text table, JSON rows, a hit-rate plot."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+from arc_simulator.simulate import SimulationResult
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1000:.0f}"
+
+
+def table(results: Sequence[SimulationResult]) -> str:
+    """One row per (capacity, policy), aligned for a terminal."""
+    overlapping = any(result.ttft_p50_s is not None for result in results)
+    header = [
+        "capacity",
+        "policy",
+        "requests",
+        "block hit",
+        "token hit",
+        "evictions",
+        "ghost hits",
+        "final p",
+    ]
+    if overlapping:
+        header += ["TTFT p50 ms", "p90 ms", "p99 ms"]
+    rows = [header]
+    for result in results:
+        row = [
+            f"{result.capacity:,}",
+            result.policy,
+            f"{result.requests:,}",
+            f"{result.block_hit_rate:.4f}",
+            f"{result.token_hit_rate:.4f}",
+            f"{result.evictions:,}",
+            f"{sum(result.ghost_hits.values()):,}" if result.ghost_hits else "-",
+            "-" if result.final_p is None else f"{result.final_p:.1f}",
+        ]
+        if overlapping:
+            row += [_ms(result.ttft_p50_s), _ms(result.ttft_p90_s), _ms(result.ttft_p99_s)]
+        rows.append(row)
+    widths = [max(len(row[column]) for row in rows) for column in range(len(header))]
+    lines = []
+    for number, row in enumerate(rows):
+        cells = [
+            cell.ljust(widths[i]) if i == 1 else cell.rjust(widths[i]) for i, cell in enumerate(row)
+        ]
+        lines.append("  ".join(cells).rstrip())
+        if number == 0:
+            lines.append("  ".join("-" * width for width in widths))
+    return "\n".join(lines)
+
+
+def to_json(results: Sequence[SimulationResult]) -> str:
+    """A JSON list with one object per result (``policy``, ``capacity``, rates, ...)."""
+    return json.dumps([result.as_dict() for result in results], indent=2)
+
+
+def plot(results: Sequence[SimulationResult], path: str | Path, title: str) -> Path:
+    """Block hit rate against capacity, one line per policy, written to ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(7, 4.5))
+    for name in dict.fromkeys(result.policy for result in results):
+        points = sorted((r.capacity, r.block_hit_rate) for r in results if r.policy == name)
+        style = {"linestyle": "--", "color": "grey"} if name == "belady" else {}
+        axes.plot([c for c, _ in points], [h for _, h in points], marker="o", label=name, **style)
+    axes.set_xlabel("cache capacity (blocks)")
+    axes.set_ylabel("block hit rate (prefix semantics)")
+    axes.set_title(title)
+    axes.set_ylim(bottom=0)
+    axes.grid(alpha=0.3)
+    axes.legend()
+    figure.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return path
