@@ -31,7 +31,7 @@ NAMESPACE = "llm"
 # Every helm call is bounded; rendering this chart takes well under a second.
 HELM_TIMEOUT_S = 60
 
-# The plugin's metric names (DESIGN.md, "Plugin contract"), from the plugin itself.
+# The plugin's metric names (docs/architecture.md, "Plugin contract"), as the code shares them.
 PLUGIN_METRICS = frozenset(METRIC_NAMES)
 # Series every Prometheus target has.
 SCRAPE_METRICS = frozenset({"up"})

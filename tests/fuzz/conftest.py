@@ -27,7 +27,7 @@ CASES: Counter[str] = fuzz_support.CASES
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    """The fuzz case counts per target, for the issue's closing note."""
+    """The fuzz case counts per target, printed at the end of the run."""
     if not CASES:
         return
     terminalreporter.section("fuzz cases per target")

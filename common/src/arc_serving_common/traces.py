@@ -1,6 +1,6 @@
 """Trace readers and writers: one lazy reader per format, auto-detected.
 
-Two public forms (DESIGN.md, "Traces"), one JSON object per line:
+Two public forms (docs/architecture.md, "Traces"), one JSON object per line:
 
 - Mooncake: ``{"timestamp": ms, "input_length", "output_length", "hash_ids"}``;
   512 tokens per hash id, and ids are already prefix (chain) hashes, so they are
