@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from arc_dev.demo import DemoError, PolicyRun, Prediction
 from arc_dev import demo
+from arc_dev.demo import DemoError, PolicyRun, Prediction
 from arc_evictor.vllm_plugin.metrics import PluginMetrics
 from arc_loadtest.report import CacheCounters, summarize
 

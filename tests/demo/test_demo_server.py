@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from arc_dev import demo
 from arc_dev.tinymodel import build_tiny_llama
 from arc_dev.vllm_server import VllmServer
-from arc_dev import demo
 from arc_serving_common.traces import load_trace
 from arc_simulator.simulate import simulate
 

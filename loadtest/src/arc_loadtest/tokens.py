@@ -2,11 +2,12 @@
 
 A trace names each block of a prompt by a hash id. The replay turns hash id ``h`` into
 ``block_tokens`` token ids drawn by ``numpy.random.default_rng([seed, h])`` from the served
-model's vocabulary minus its special tokens (docs/architecture.md, "Traces"). The draw depends only on
-(seed, hash id, block size, vocabulary), so two workers, two runs or the simulator's view of
-the same trace agree on which prompts share a prefix, and two requests that share their first
-k hash ids share their first k blocks of tokens exactly, which is what the server's prefix
-cache sees. Prompts are sent as token-id lists, so no tokenizer round trip can change them.
+model's vocabulary minus its special tokens (docs/architecture.md, "Traces"). The draw
+depends only on (seed, hash id, block size, vocabulary), so two workers, two runs or the
+simulator's view of the same trace agree on which prompts share a prefix, and two requests
+that share their first k hash ids share their first k blocks of tokens exactly, which is
+what the server's prefix cache sees. Prompts are sent as token-id lists, so no tokenizer
+round trip can change them.
 
 The vocabulary comes from the model's ``tokenizer.json`` (exact) or, when only the server is
 at hand, from its tokenizer endpoints (see ``vocabulary_from_server``).

@@ -98,11 +98,12 @@ class BlockPool:
         The order is vLLM's: first the cached prefix is taken (pinned, then
         found), as vLLM's ``touch`` does; then every other block already cached,
         so the request's own misses cannot evict them; then the misses are
-        cached. Each pass goes tail first (last block first), as the
-        sequential mode states (docs/architecture.md, "Policy semantics"). The hit count is the cached prefix before any of
-        this, the first miss ending it, and at most ``max_hits``: vLLM always
-        computes a prompt's last token, so a fully cached prompt's last block is
-        taken with the other cached blocks, not as a hit.
+        cached. Each pass goes tail first (last block first), as the sequential
+        mode states (docs/architecture.md, "Policy semantics"). The hit count is
+        the cached prefix before any of this, the first miss ending it, and at
+        most ``max_hits``: vLLM always computes a prompt's last token, so a fully
+        cached prompt's last block is taken with the other cached blocks, not as
+        a hit.
 
         Raises PoolExhausted, before changing anything, when the pool cannot pin
         every block of the request at once.
