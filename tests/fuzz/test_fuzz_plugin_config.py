@@ -49,7 +49,8 @@ with warnings.catch_warnings():
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
     from vllm.v1.request import Request
 
-    from arc_evictor.vllm_plugin import adapter
+    from arc_evictor.vllm_plugin import patches
+    from arc_evictor.vllm_plugin.block_pool import PolicyBlockPool
 
 POLICIES = policy_names()
 BLOCK = 4
@@ -74,7 +75,7 @@ class Engine:
     log: Collect
 
     @property
-    def pool(self) -> adapter.PolicyBlockPool:
+    def pool(self) -> PolicyBlockPool:
         return self.manager.block_pool
 
     def state(self) -> tuple[Any, str, list[Any]]:
@@ -92,8 +93,8 @@ class Engine:
 @pytest.fixture(scope="module")
 def engine() -> Iterator[Engine]:
     init_none_hash(sha256)
-    adapter.install("lru", on_step=lambda: None, on_pool=lambda pool: None)  # idempotent
-    adapter.set_policy_name("arc")
+    patches.install("lru", on_step=lambda: None, on_pool=lambda pool: None)  # idempotent
+    patches.set_policy_name("arc")
     spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=32, dtype=torch.float32)
     config = KVCacheConfig(
         num_blocks=33, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec)]
@@ -105,7 +106,7 @@ def engine() -> Iterator[Engine]:
         hash_block_size=BLOCK,
         enable_caching=True,
     )
-    assert isinstance(manager.block_pool, adapter.PolicyBlockPool)
+    assert isinstance(manager.block_pool, PolicyBlockPool)
     for number in range(6):  # cache some prefixes, then release them: resident, unpinned
         tokens = list(range(100 * number, 100 * number + 3 * BLOCK + 1))
         request = Request(
@@ -133,7 +134,7 @@ def engine() -> Iterator[Engine]:
         runtime = PluginRuntime(Settings(policy="arc", config_path=path, poll_seconds=0.0))
         yield Engine(manager, runtime, path, log)
     logger.removeHandler(log)
-    adapter.set_policy_name("lru")  # switches changed the process-wide default; restore it
+    patches.set_policy_name("lru")  # switches changed the process-wide default; restore it
 
 
 def expected_policy(content: bytes) -> str | None:

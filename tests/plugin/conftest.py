@@ -1,6 +1,6 @@
 """Plugin tests: vLLM's real KV cache manager with the plugin installed in this process.
 
-``adapter.install`` patches vLLM classes for the whole test process; that is harmless to other
+``patches.install`` patches vLLM classes for the whole test process; that is harmless to other
 areas because every patched path checks for a ``PolicyBlockPool`` first, and the real servers
 run in their own processes.
 """
@@ -26,6 +26,6 @@ with warnings.catch_warnings():
 
 @pytest.fixture(scope="session", autouse=True)
 def plugin_installed() -> None:
-    from arc_evictor.vllm_plugin import adapter
+    from arc_evictor.vllm_plugin import patches
 
-    adapter.install("lru", on_step=lambda: None, on_pool=lambda pool: None)
+    patches.install("lru", on_step=lambda: None, on_pool=lambda pool: None)

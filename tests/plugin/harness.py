@@ -17,7 +17,8 @@ from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.request import Request
 
-from arc_evictor.vllm_plugin import adapter
+from arc_evictor.vllm_plugin import patches
+from arc_evictor.vllm_plugin.block_pool import PolicyBlockPool
 
 init_none_hash(sha256)
 _ids = itertools.count()
@@ -36,7 +37,7 @@ def kv_cache_config(num_blocks: int, block_size: int) -> KVCacheConfig:
 
 def make_manager(policy: str, num_blocks: int, block_size: int = 4) -> KVCacheManager:
     """A real KVCacheManager whose pool evicts by ``policy`` (the plugin installed)."""
-    adapter.set_policy_name(policy)
+    patches.set_policy_name(policy)
     manager = KVCacheManager(
         kv_cache_config(num_blocks, block_size),
         max_model_len=num_blocks * block_size,
@@ -44,7 +45,7 @@ def make_manager(policy: str, num_blocks: int, block_size: int = 4) -> KVCacheMa
         hash_block_size=block_size,
         enable_caching=True,
     )
-    assert isinstance(manager.block_pool, adapter.PolicyBlockPool)
+    assert isinstance(manager.block_pool, PolicyBlockPool)
     return manager
 
 

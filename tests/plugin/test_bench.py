@@ -1,4 +1,5 @@
-"""The adapter bench compares like with like (its figures are ``make bench``'s, not a test's)."""
+"""The plugin's block-pool bench compares like with like (its figures are ``make bench``'s,
+not a test's)."""
 
 from __future__ import annotations
 

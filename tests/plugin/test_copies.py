@@ -1,6 +1,6 @@
 """Keys decided after allocation (decode fills a block), second copies of a key, pending keys.
 
-These are the adapter's rare paths: the hot loops hand them to helpers, so each gets its own
+These are the policy pool's rare paths: the hot loops hand them to helpers, so each gets its own
 behaviour test with the pool's invariants recounted after every step.
 """
 
@@ -15,7 +15,7 @@ from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id, resolve_b
 from vllm.v1.request import Request
 
 from arc_evictor.policies import policy_names
-from arc_evictor.vllm_plugin import adapter
+from arc_evictor.vllm_plugin.block_pool import Allocation
 
 BS = 4
 POLICIES = policy_names()
@@ -118,7 +118,7 @@ def test_blocks_allocated_but_never_cached_leave_the_policy_when_freed(policy: s
 
 def test_allocation_keys_are_vllms_block_keys() -> None:
     request = make_request(tokens(5, 5 * BS), BS)
-    allocation = adapter._Allocation(request)
+    allocation = Allocation(request)
     allocation.start, allocation.block_size, allocation.group_id = 1, BS, 3
     expected = [make_block_hash_with_group_id(h, 3) for h in request.block_hashes[1:]]
     assert allocation.keys(BS, 6) == [*expected, None, None]

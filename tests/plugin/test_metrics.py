@@ -13,8 +13,9 @@ from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.kv_cache_metrics import KVCacheMetricsCollector
 
-from arc_evictor.vllm_plugin.adapter import PolicyBlockPool, set_policy_name
+from arc_evictor.vllm_plugin.block_pool import PolicyBlockPool
 from arc_evictor.vllm_plugin.metrics import PluginMetrics
+from arc_evictor.vllm_plugin.patches import set_policy_name
 
 BS = 4
 

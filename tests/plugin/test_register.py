@@ -19,25 +19,26 @@ def test_unsupported_vllm_version_is_refused_with_a_clear_message() -> None:
     check_vllm_version()  # the installed vLLM is the supported one
 
 
-def test_register_checks_the_version_before_importing_the_adapter(
+def test_register_checks_the_version_before_importing_vllm_internals(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setenv("ARC_EVICTOR_POLICY", "lru")
     monkeypatch.delenv("ARC_EVICTOR_CONFIG", raising=False)
     monkeypatch.delenv("VLLM_API_KEY", raising=False)
     monkeypatch.setattr(plugin, "_runtime", None)
-    # Importing the adapter now fails, as it may on another vLLM whose internals moved.
-    monkeypatch.delattr(plugin, "adapter")
-    monkeypatch.setitem(sys.modules, "arc_evictor.vllm_plugin.adapter", None)
+    # Importing the module that patches vLLM now fails, as it may on another vLLM whose
+    # internals moved.
+    monkeypatch.delattr(plugin, "patches")
+    monkeypatch.setitem(sys.modules, "arc_evictor.vllm_plugin.patches", None)
 
     monkeypatch.setattr(vllm, "__version__", "0.31.1")
     with pytest.raises(UnsupportedVllmError, match=r"found vLLM 0\.31\.1"):
         plugin.register()
     assert plugin._runtime is None  # nothing was installed
 
-    # With the supported version the check passes and register goes on to the adapter.
+    # With the supported version the check passes and register goes on to import it.
     monkeypatch.setattr(vllm, "__version__", "0.32.0")
-    with pytest.raises(ImportError, match=r"arc_evictor\.vllm_plugin\.adapter"):
+    with pytest.raises(ImportError, match=r"arc_evictor\.vllm_plugin\.patches"):
         plugin.register()
     assert plugin._runtime is None
 
@@ -57,7 +58,7 @@ def test_an_api_key_alone_installs_the_guard_on_the_supported_vllm_only(
 ) -> None:
     from vllm.entrypoints.serve.middleware.authenticate import AuthenticationMiddleware
 
-    from arc_evictor.vllm_plugin import adapter
+    from arc_evictor.vllm_plugin.auth import authenticate_every_path
 
     # Restored at teardown: the patch is process-wide.
     monkeypatch.setattr(AuthenticationMiddleware, "__call__", AuthenticationMiddleware.__call__)
@@ -70,8 +71,8 @@ def test_an_api_key_alone_installs_the_guard_on_the_supported_vllm_only(
     monkeypatch.setattr(vllm, "__version__", "0.31.1")
     with pytest.raises(UnsupportedVllmError, match=r"found vLLM 0\.31\.1"):
         plugin.register()
-    assert AuthenticationMiddleware.__call__ is not adapter._guard_every_path
+    assert AuthenticationMiddleware.__call__ is not authenticate_every_path
     monkeypatch.setattr(vllm, "__version__", "0.32.0")
     plugin.register()
-    assert AuthenticationMiddleware.__call__ is adapter._guard_every_path
+    assert AuthenticationMiddleware.__call__ is authenticate_every_path
     assert plugin._runtime is None  # no policy settings: the block pool is vLLM's own

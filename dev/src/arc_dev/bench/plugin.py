@@ -12,7 +12,9 @@ shared machine another process taking the core would otherwise be charged to whi
 at that moment.
 
 Native LRU and the plugin's LRU make the same decisions, so their ``hit_blocks`` are equal; the
-plugin's side pays for what the KV cache manager wrappers do in vLLM (the ``_Allocation``).
+plugin's side pays for what the KV cache manager wrappers do in vLLM (``get_new_blocks_for``
+hands the pool the request's ``Allocation``). Pools and requests come from
+``arc_evictor.vllm_plugin.block_pool``, so this module imports no vLLM internals.
 """
 
 from __future__ import annotations
@@ -22,49 +24,38 @@ import random
 import time
 from typing import Any
 
-from vllm import SamplingParams
-from vllm.utils.hashing import sha256
-from vllm.v1.core.block_pool import BlockPool
-from vllm.v1.core.kv_cache_utils import (
-    get_request_block_hasher,
-    init_none_hash,
+from arc_evictor.vllm_plugin.block_pool import (
+    BlockPool,
+    KVCacheBlock,
+    Request,
+    build_block_pool,
+    get_new_blocks_for,
+    request_builder,
 )
-from vllm.v1.request import Request
-
-from arc_evictor.vllm_plugin.adapter import PolicyBlockPool, _Allocation
 
 
 def _requests(count: int, block_size: int, seed: int) -> list[Request]:
-    init_none_hash(sha256)
+    """vLLM requests: a Zipf-chosen 8-block document, then a 2-block question of its own."""
+    build = request_builder(block_size)
     rng = random.Random(seed)
     docs = [[rng.randrange(4, 30_000) for _ in range(8 * block_size)] for _ in range(200)]
     weights = [1 / (rank + 1) for rank in range(len(docs))]
-    hasher = get_request_block_hasher(block_size, sha256)
     out = []
     for i in range(count):
         (doc,) = rng.choices(docs, weights)
         question = [rng.randrange(4, 30_000) for _ in range(2 * block_size)]
-        out.append(
-            Request(
-                request_id=f"b{i}",
-                prompt_token_ids=doc + question,
-                sampling_params=SamplingParams(max_tokens=1),
-                pooling_params=None,
-                block_hasher=hasher,
-            )
-        )
+        out.append(build(f"b{i}", doc + question))
     return out
 
 
 def _replay(pool: BlockPool, requests: list[Request], block_size: int) -> tuple[float, int, int]:
     """Seconds, block operations and hit blocks of one sequential replay."""
-    policy_pool = pool if isinstance(pool, PolicyBlockPool) else None
     ops = hits = 0
     started = time.process_time()
     for request in requests:
         hashes = request.block_hashes
         limit = (request.num_tokens - 1) // block_size  # the last token is always computed
-        computed = []
+        computed: list[KVCacheBlock] = []
         for block_hash in hashes[:limit]:
             found = pool.get_cached_block(block_hash, [0])
             if found is None:
@@ -72,13 +63,7 @@ def _replay(pool: BlockPool, requests: list[Request], block_size: int) -> tuple[
             computed.append(found[0])
         pool.touch(computed)
         need = len(hashes) - len(computed)
-        if policy_pool is not None:
-            allocation = _Allocation(request)
-            allocation.start, allocation.block_size = len(computed), block_size
-            policy_pool.allocation = allocation
-        new = pool.get_new_blocks(need)
-        if policy_pool is not None:
-            policy_pool.allocation = None
+        new = get_new_blocks_for(pool, request, len(computed), block_size, need)
         blocks = computed + new
         pool.cache_full_blocks(request, blocks, len(computed), len(hashes), block_size, 0)
         pool.free_blocks(reversed(blocks))
@@ -110,12 +95,9 @@ def bench_block_pool(
     best: dict[tuple[str, str], tuple[float, int, int]] = {}
     for _ in range(repeats):
         for kind, policy in variants:
-            if kind == "vllm-native":
-                pool = BlockPool(num_blocks, enable_caching=True, hash_block_size=block_size)
-            else:
-                pool = PolicyBlockPool(
-                    num_blocks, enable_caching=True, hash_block_size=block_size, policy_name=policy
-                )
+            pool = build_block_pool(
+                num_blocks, block_size, None if kind == "vllm-native" else policy
+            )
             gc.collect()  # no run pays for the garbage of the one before
             seconds, ops, hits = _replay(pool, workload, block_size)
             if (kind, policy) not in best or seconds < best[kind, policy][0]:

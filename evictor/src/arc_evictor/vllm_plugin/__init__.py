@@ -10,12 +10,15 @@ engine applies a file change with its next request; see ``config``).
 
 When an API key is configured (``VLLM_API_KEY``), ``register`` also makes vLLM's key check
 guard every HTTP path of the API server but ``/health`` and ``/metrics`` (vLLM's own guards
-only ``/v1`` and a few other prefixes; see ``adapter.OPEN_PATHS``). vLLM loads general plugins
+only ``/v1`` and a few other prefixes; see ``auth.OPEN_PATHS``). vLLM loads general plugins
 in the API server process while parsing its arguments, before it builds the app.
 
-Only ``adapter`` imports vLLM internals; ``register`` imports it lazily, and only after
-``version.check_vllm_version`` accepted the installed vLLM, so another version stops start-up
-with that check's message rather than an ImportError from the adapter.
+Modules: ``block_pool`` (the policy-driven ``PolicyBlockPool``), ``patches`` (installs it and
+the key guard into vLLM, and lists every vLLM internal the plugin touches in
+``VLLM_INTERNALS``), ``auth`` (the key guard), ``config``, ``metrics``, ``version``. Only
+``block_pool`` and ``patches`` import vLLM internals; ``register`` imports them lazily, and only
+after ``version.check_vllm_version`` accepted the installed vLLM, so another version stops
+start-up with that check's message rather than an ImportError from vLLM's moved internals.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from arc_evictor.vllm_plugin.version import check_vllm_version
 from arc_serving_common.names import METRIC_NAMES
 
 if TYPE_CHECKING:
-    from arc_evictor.vllm_plugin.adapter import PolicyBlockPool
+    from arc_evictor.vllm_plugin.block_pool import PolicyBlockPool
 
 logger = logging.getLogger("vllm.arc_evictor")
 
@@ -85,9 +88,9 @@ class PluginRuntime:
         at ``update_from_output``) is published by the next step's call, and vLLM runs one more
         step after the last request finishes, to clear it from the batch.
         """
-        from arc_evictor.vllm_plugin import adapter
+        from arc_evictor.vllm_plugin import patches
 
-        pools = adapter.live_pools()
+        pools = patches.live_pools()
         if self.watcher is not None:
             name = self.watcher.poll()
             error = self.watcher.take_error()
@@ -107,7 +110,7 @@ class PluginRuntime:
         the blocks its prefix-cache map holds (what a request can hit) and how many of those
         the new policy holds. All four equal: no cached block was lost, none is untracked.
         """
-        from arc_evictor.vllm_plugin import adapter
+        from arc_evictor.vllm_plugin import patches
 
         for pool in pools:
             started = time.perf_counter()
@@ -120,7 +123,7 @@ class PluginRuntime:
             tracked = sum(1 for key in cached if key in new)
             logger.info(SWITCH_LOG, old.describe(), new.describe(), kept, len(before),
                         tracked, len(cached), elapsed_ms)  # fmt: skip
-        adapter.set_policy_name(name)
+        patches.set_policy_name(name)
 
 
 _runtime: PluginRuntime | None = None
@@ -131,7 +134,7 @@ def register() -> None:
     """vLLM's general-plugin hook; idempotent; raises to stop start-up on bad settings.
 
     With an API key in ``VLLM_API_KEY`` (how the operator, the chart and ``VllmServer`` pass
-    it) the key guards every path but ``adapter.OPEN_PATHS``, also without a policy set; an
+    it) the key guards every path but ``auth.OPEN_PATHS``, also without a policy set; an
     unsupported vLLM then stops start-up rather than serve with vLLM's narrower guard.
     """
     global _runtime, _guarded
@@ -139,14 +142,14 @@ def register() -> None:
     wants_guard = bool(os.environ.get(API_KEY_ENV)) and not _guarded
     if not wants_guard and (settings is None or _runtime is not None):
         return
-    check_vllm_version()  # before the adapter import, which may fail on another vLLM
-    from arc_evictor.vllm_plugin import adapter
+    check_vllm_version()  # before importing vLLM internals, which may fail on another vLLM
+    from arc_evictor.vllm_plugin import patches
 
     if wants_guard:
-        adapter.guard_every_path()
+        patches.guard_every_path()
         _guarded = True
     if settings is None or _runtime is not None:
         return
     runtime = PluginRuntime(settings)
-    adapter.install(settings.policy, on_step=runtime.on_step, on_pool=runtime.on_pool)
+    patches.install(settings.policy, on_step=runtime.on_step, on_pool=runtime.on_pool)
     _runtime = runtime

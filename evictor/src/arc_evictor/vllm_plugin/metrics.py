@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from arc_evictor.policies import policy_names
+from arc_evictor.policies import ReportsStatistics, policy_names
 
 if TYPE_CHECKING:
-    from arc_evictor.vllm_plugin.adapter import PolicyBlockPool
+    from arc_evictor.vllm_plugin.block_pool import PolicyBlockPool
 
 
 def multiprocess_enabled() -> bool:
@@ -79,7 +79,7 @@ class PluginMetrics:
             **kwargs,
         )
         self.switches = Counter("arc_evictor_policy_switches", "Live policy switches.", **kwargs)
-        # DESIGN.md's ghost lists exist from the start (reading 0), whatever the policy.
+        # ARC's ghost lists b1 and b2 have series from the start (reading 0), whatever the policy.
         for lst in ("b1", "b2"):
             self.ghost_hits.labels(list=lst)
             self.ghosts.labels(list=lst).set(0)
@@ -99,24 +99,27 @@ class PluginMetrics:
         self._add(done, "queries", pool.block_queries, self.block_queries)
         self._add(done, "hits", pool.block_hits, self.block_hits)
         self._add(done, "switches", pool.policy_switches, self.switches)
-        for lst, count in policy.counters.evictions.items():
+        # Every registered policy reports statistics next to its eviction order.
+        statistics: ReportsStatistics = policy
+        for lst, count in statistics.counters.evictions.items():
             self._add(done, "ev:" + lst, count, self.evictions.labels(list=lst))
-        for lst, count in policy.counters.ghost_hits.items():
+        for lst, count in statistics.counters.ghost_hits.items():
             self._add(done, "gh:" + lst, count, self.ghost_hits.labels(list=lst))
-        sizes = policy.list_sizes()
+        sizes = statistics.list_sizes()
         current: set[tuple[str, str]] = set()
-        for lst in policy.resident_lists:
+        for lst in statistics.resident_lists:
             self.evictions.labels(list=lst)
             self.resident.labels(list=lst).set(sizes.get(lst, 0))
             current.add(("r", lst))
-        for lst in policy.ghost_lists:
+        for lst in statistics.ghost_lists:
             self.ghosts.labels(list=lst).set(sizes.get(lst, 0))
             current.add(("g", lst))
         for kind, lst in self._lists_seen - current:
             # Lists of a policy switched away from read 0, not their last value.
             (self.resident if kind == "r" else self.ghosts).labels(list=lst).set(0)
         self._lists_seen |= current
-        self.target.set(policy.target if policy.target is not None else 0.0)
+        target = statistics.target
+        self.target.set(target if target is not None else 0.0)
 
     @staticmethod
     def _add(done: dict[str, int], name: str, value: int, counter: Counter) -> None:

@@ -1,9 +1,10 @@
 """Which vLLM the plugin accepts, checked before anything imports vLLM internals.
 
-``register`` calls ``check_vllm_version()`` before it imports ``adapter``: the adapter subclasses
-private vLLM classes, so on another vLLM version importing it could fail with an ImportError
-that hides the real problem. This module imports only vLLM's top-level package, which every
-version has, and only when asked for the installed version.
+``register`` calls ``check_vllm_version()`` before it imports ``patches`` and ``block_pool``:
+they import and subclass private vLLM classes, so on another vLLM version importing them could
+fail with an ImportError that hides the real problem. ``TARGET_VLLM`` is the version
+``patches.VLLM_INTERNALS`` was read in. This module imports only vLLM's top-level package,
+which every version has, and only when asked for the installed version.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ SUPPORTED_VLLM = "0.32."
 
 
 class UnsupportedVllmError(RuntimeError):
-    """The installed vLLM (or its KV cache layout) is not one the adapter was written for."""
+    """The installed vLLM (or its KV cache layout) is not one the plugin was written for."""
 
 
 def installed_vllm_version() -> str:

@@ -1,9 +1,4 @@
-"""The one module that touches vLLM internals: a policy-driven ``BlockPool`` for vLLM 0.32.
-
-Targeted vLLM version: 0.32.0 (``version.TARGET_VLLM``; ``register`` checks the installed
-version before it imports this module). Files read: ``vllm/v1/core/block_pool.py``,
-``kv_cache_utils.py``, ``kv_cache_manager.py``, ``single_type_kv_cache_manager.py``,
-``kv_cache_coordinator.py``, ``sched/scheduler.py``.
+"""A policy-driven ``BlockPool`` for vLLM 0.32, and standalone pools built the same way.
 
 ``PolicyBlockPool`` subclasses vLLM's ``BlockPool`` and replaces the unnamed queue-position
 eviction order with an ``EvictionPolicy`` keyed by block hash (``BlockHashWithGroupId``).
@@ -11,87 +6,72 @@ Keying by hash, not by block id, is what lets ARC's ghost lists recognise a pref
 evicted and comes back in another block, and what makes the plugin's decisions equal to the
 simulator's (``arc_simulator.pool.BlockPool``) on the same trace.
 
-Where blocks live (vLLM's own free queue keeps only blocks without a hash):
+The vLLM internals this module relies on (private attributes of ``BlockPool``,
+``KVCacheBlock`` and ``BlockHashToBlockMap``, and the ``BlockPool`` methods it overrides) are
+listed with what each is used for in ``patches.VLLM_INTERNALS``; ``patches`` puts the pool into
+vLLM's KV cache manager. Both modules are imported only after ``version.check_vllm_version``
+accepted the installed vLLM.
 
-- ``free_block_queue``: free blocks without a hash, reused first, LIFO as vLLM does;
-- ``_primary[key]``: the block holding ``key`` that vLLM's ``get_one_block`` returns, for every
-  resident policy key; ``_spare[key]``: the further copies, oldest first (rare, so the common
-  path keeps no list per key); ``_key_of[block_id]``: the key a block holds or is pending for;
-- a free block with a hash is the only copy of an unpinned resident key: the policy names it
-  when it is to be evicted. A second copy of a key (vLLM recomputed a block another request
-  holds) is dropped from the prefix cache as soon as its last user releases it.
-
-Mapping of ``BlockPool`` calls (DESIGN.md's call protocol for the policy):
-
-- ``touch`` (ref 0 -> 1 of a cached block: a committed hit): the request's cached prefix,
-  tail first (vLLM passes it head first), each block ``pin`` then ``find``, the order of
-  ``arc_evictor.policies.base`` (a policy never re-orders a block ``pin`` takes out);
-- ``get_new_blocks``: knows the incoming keys of the request being allocated (set by the
-  ``allocate_slots``/``allocate_new_blocks`` wrappers) and runs the order of the simulator's
-  ``arc_simulator.pool.BlockPool.take``: first every incoming key already resident is taken
-  (its free copy is handed back to the request, so no duplicate is made), then each miss,
-  tail first, is ``find`` -> (``to_evict`` + ``evict`` while no block without a hash is
-  free) -> ``insert``;
-- ``cache_full_blocks``: a block gets its hash; the key was inserted at allocation, or is
-  inserted now when the allocation had no key for it;
-- ``free_blocks``: ref 1 -> 0: ``unpin`` in vLLM's order (tail first);
-- ``evict_blocks`` / ``reset_prefix_cache``: ``remove`` / ``clear``.
-
-Invariants (``verify`` checks them):
-
-- apart from the null block, a block has ``ref_cnt == 0`` exactly when it is in the free queue
-  (no hash) or it is the single copy of an unpinned resident key;
-- ``get_num_free_blocks() == free_block_queue.num_free_blocks + _num_evictable`` is the number
-  of non-null blocks with ``ref_cnt == 0`` (the scheduler admits requests by it);
-- the policy's resident keys are exactly the keys of ``_primary``; a key is pinned in the
-  policy exactly when its primary copy has ``ref_cnt > 0``; a key with spare copies has every
-  copy held; ``_key_of`` maps back exactly the primary, spare and pending blocks.
-
-Cost: per block operation the hot paths do what vLLM's free queue does plus one ``_key_of``
-read and the policy calls of the protocol (``arc_dev.bench.plugin`` measures both).
+``build_block_pool``, ``request_builder`` and ``get_new_blocks_for`` drive a pool outside a KV
+cache manager the way the manager and the ``patches`` wrappers do, so a benchmark
+(``arc_dev.bench.plugin``) can compare vLLM's own pool with a policy pool without importing
+vLLM internals itself.
 """
 
 from __future__ import annotations
 
-import functools
-import logging
-import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from starlette.datastructures import Headers
-from starlette.responses import JSONResponse
-from starlette.types import Receive, Scope, Send
-from vllm.entrypoints.serve.middleware import authenticate as vllm_authenticate
-from vllm.v1.core import kv_cache_coordinator, kv_cache_manager, single_type_kv_cache_manager
+from vllm import SamplingParams
+from vllm.utils.hashing import sha256
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_utils import (
     BlockHashWithGroupId,
     KVCacheBlock,
+    get_request_block_hasher,
+    init_none_hash,
     resolve_block_hashes,
 )
-from vllm.v1.core.sched import scheduler as vllm_scheduler
-from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.request import Request
 
 from arc_evictor.policies import EvictionPolicy, make_policy
 from arc_evictor.vllm_plugin.version import UnsupportedVllmError
 
-logger = logging.getLogger("vllm.arc_evictor")
+# BlockPool, KVCacheBlock and Request are vLLM's, exported for the type hints of callers that
+# drive a pool through the helpers below.
+__all__ = [
+    "Allocation",
+    "BlockPool",
+    "KVCacheBlock",
+    "Key",
+    "PolicyBlockPool",
+    "Request",
+    "build_block_pool",
+    "get_new_blocks_for",
+    "request_builder",
+]
 
 Key = BlockHashWithGroupId
 
 
-class _Allocation:
-    """What the allocation in progress is for (set by the manager wrappers, read by the pool)."""
+class Allocation:
+    """What the allocation in progress is for: set by the manager wrappers, read by the pool.
+
+    ``start`` is the index, in the request's block table, of the first block the next
+    ``get_new_blocks`` call hands out, or None when that call's blocks get no key (another
+    group, a copy-on-write block, a request with a partial prefix-cache hit).
+    """
 
     __slots__ = ("block_size", "group_id", "request", "start")
 
-    def __init__(self, request: Request) -> None:
+    def __init__(
+        self, request: Request, start: int | None = None, block_size: int = 0, group_id: int = 0
+    ) -> None:
         self.request = request
-        self.start: int | None = None  # index in the request's block table of the first new block
-        self.block_size = 0
-        self.group_id = 0
+        self.start = start
+        self.block_size = block_size
+        self.group_id = group_id
 
     def keys(self, hash_block_size: int, count: int) -> list[Key | None]:
         """The prefix-cache key each of the next ``count`` new blocks will get (None: no key).
@@ -114,10 +94,47 @@ class _Allocation:
 class PolicyBlockPool(BlockPool):
     """vLLM's ``BlockPool`` with every eviction decision made by an ``EvictionPolicy``.
 
-    See the module docstring for the invariants and the call mapping. The hot paths (``touch``,
-    ``get_new_blocks``, ``free_blocks``) do per block one list read of ``_key_of`` and the
-    policy calls the protocol asks for; the rare cases (second copies, keys that were never
-    cached) leave the loop for helper methods.
+    Where blocks live (vLLM's own free queue keeps only blocks without a hash):
+
+    - ``free_block_queue``: free blocks without a hash, reused first, LIFO as vLLM does;
+    - ``_primary[key]``: the block holding ``key`` that vLLM's ``get_one_block`` returns, for
+      every resident policy key; ``_spare[key]``: the further copies, oldest first (rare, so
+      the common path keeps no list per key); ``_key_of[block_id]``: the key a block holds or
+      is pending for;
+    - a free block with a hash is the only copy of an unpinned resident key: the policy names
+      it when it is to be evicted. A second copy of a key (vLLM recomputed a block another
+      request holds) is dropped from the prefix cache as soon as its last user releases it.
+
+    Invariants (``verify`` recounts them):
+
+    - apart from the null block, a block has ``ref_cnt == 0`` exactly when it is in the free
+      queue (no hash) or it is the single copy of an unpinned resident key;
+    - ``get_num_free_blocks() == free_block_queue.num_free_blocks + _num_evictable`` is the
+      number of non-null blocks with ``ref_cnt == 0`` (the scheduler admits requests by it);
+    - the policy's resident keys are exactly the keys of ``_primary``; a key is pinned in the
+      policy exactly when its primary copy has ``ref_cnt > 0``; a key with spare copies has
+      every copy held; ``_key_of`` maps back exactly the primary, spare and pending blocks.
+
+    ``BlockPool`` calls mapped onto the policy's call protocol (``arc_evictor.policies.base``;
+    ``docs/plugin.md``):
+
+    - ``touch`` (ref 0 -> 1 of a cached block: a committed hit): the request's cached prefix,
+      tail first (vLLM passes it head first), each block ``pin`` then ``find`` (a policy never
+      re-orders a block ``pin`` takes out);
+    - ``get_new_blocks``: knows the incoming keys of the request being allocated (its
+      ``Allocation``) and runs the order of the simulator's ``arc_simulator.pool.BlockPool.take``:
+      first every incoming key already resident is taken (its free copy is handed back to the
+      request, so no duplicate is made), then each miss, tail first, is ``find`` ->
+      (``to_evict`` + ``evict`` while no block without a hash is free) -> ``insert``;
+    - ``cache_full_blocks``: a block gets its hash; the key was inserted at allocation, or is
+      inserted now when the allocation had no key for it;
+    - ``free_blocks``: ref 1 -> 0: ``unpin`` in vLLM's order (tail first);
+    - ``evict_blocks`` / ``reset_prefix_cache``: ``remove`` / ``clear``.
+
+    Cost: per block the hot paths (``touch``, ``get_new_blocks``, ``free_blocks``) do what
+    vLLM's free queue does plus one list read of ``_key_of`` and the policy calls of the
+    protocol (``arc_dev.bench.plugin`` measures both); the rare cases (second copies, keys
+    that were never cached) leave the loop for helper methods.
     """
 
     def __init__(self, *args: Any, policy_name: str, **kwargs: Any) -> None:
@@ -131,7 +148,7 @@ class PolicyBlockPool(BlockPool):
         # Owned here: block id -> the key the block holds or is pending for (None: no key).
         self._key_of: list[Key | None] = [None] * self.num_gpu_blocks
         self._num_evictable = 0  # unpinned resident keys = free blocks that hold a hash
-        self.allocation: _Allocation | None = None  # owned by the manager wrappers
+        self.allocation: Allocation | None = None  # owned by the manager wrappers
         # Plugin counters (metrics read them): committed hits, queried blocks, switches.
         self.block_hits = 0
         self.block_queries = 0
@@ -157,7 +174,7 @@ class PolicyBlockPool(BlockPool):
                     self.free_block_queue.remove(block)
             else:
                 if block.ref_cnt == 0:
-                    # Only a single, unpinned copy can be free (module invariant). The
+                    # Only a single, unpinned copy can be free (class invariant). The
                     # protocol pins a cached key before its find.
                     pin(key)
                     pinned += 1
@@ -220,7 +237,7 @@ class PolicyBlockPool(BlockPool):
             key = keys[i]
             if key is not None:
                 if key in primaries:
-                    key = None  # a repeated key, inserted earlier in this pass: a second copy
+                    key = None  # a key this pass already inserted: a second copy
                 else:
                     find(key)  # a ghost hit adapts ARC's target before the victim is chosen
             if queue.num_free_blocks:
@@ -229,7 +246,7 @@ class PolicyBlockPool(BlockPool):
                     reused.on_block_evicted(block)
             else:
                 # No block without a hash is free: evict the policy's victim. An unpinned key
-                # has a single copy (module invariant), so there is no spare to promote.
+                # has a single copy (class invariant), so there is no spare to promote.
                 victim = policy.to_evict()
                 if victim is None:
                     self._num_evictable -= evicted
@@ -466,7 +483,7 @@ class PolicyBlockPool(BlockPool):
 
     # ------------------------------------------------------------------------ checks
     def verify(self) -> None:
-        """Recount every invariant in the module docstring; AssertionError names the drift."""
+        """Recount every invariant in the class docstring; AssertionError names the drift."""
         self.policy.verify()
         policy = self.policy
         assert set(self._primary) == set(policy.resident_keys()), (
@@ -521,141 +538,45 @@ class PolicyBlockPool(BlockPool):
         )
 
 
-# ---------------------------------------------------------------------------- installation
-_POOLS: weakref.WeakSet[PolicyBlockPool] = weakref.WeakSet()
-
-
-def live_pools() -> list[PolicyBlockPool]:
-    """Every policy pool alive in this process (one per engine core)."""
-    return list(_POOLS)
-
-
-def check_supported_layout(manager: Any) -> None:
-    """Refuse KV cache layouts the adapter does not model (hybrid, sliding window, ...)."""
-    groups = manager.kv_cache_config.kv_cache_groups
-    if len(groups) != 1 or not isinstance(groups[0].kv_cache_spec, FullAttentionSpec):
-        kinds = ", ".join(type(g.kv_cache_spec).__name__ for g in groups)
-        raise UnsupportedVllmError(
-            "arc_evictor drives models whose KV cache is one full-attention group; this model "
-            f"has [{kinds}]. Unset ARC_EVICTOR_POLICY/ARC_EVICTOR_CONFIG for this model."
-        )
-    if manager.coordinator.enable_partial_hash_hits:
-        raise UnsupportedVllmError("arc_evictor does not support partial prefix-cache hits")
-
-
-_installed: dict[str, Any] = {}
-
-
-def install(
-    policy_name: str,
-    on_step: Callable[[], None],
-    on_pool: Callable[[PolicyBlockPool], None],
-) -> None:
-    """Patch vLLM so every device pool the KV cache coordinator builds is a PolicyBlockPool.
-
-    ``on_step`` runs before every scheduler step (live switching, metrics); ``on_pool`` runs
-    once per new pool. Idempotent within a process.
-    """
-    if _installed:
-        return
-
-    def make_pool(*args: Any, **kwargs: Any) -> PolicyBlockPool:
-        pool = PolicyBlockPool(*args, policy_name=_installed["policy"], **kwargs)
-        _POOLS.add(pool)
-        on_pool(pool)
-        return pool
-
-    orig_manager_init = kv_cache_manager.KVCacheManager.__init__
-    orig_allocate_slots = kv_cache_manager.KVCacheManager.allocate_slots
-    orig_new_blocks = single_type_kv_cache_manager.SingleTypeKVCacheManager.allocate_new_blocks
-    orig_schedule = vllm_scheduler.Scheduler.schedule
-
-    @functools.wraps(orig_manager_init)
-    def manager_init(self: Any, *args: Any, **kwargs: Any) -> None:
-        orig_manager_init(self, *args, **kwargs)
-        if isinstance(self.block_pool, PolicyBlockPool):
-            check_supported_layout(self)
-
-    @functools.wraps(orig_allocate_slots)
-    def allocate_slots(self: Any, request: Request, *args: Any, **kwargs: Any) -> Any:
-        pool = self.block_pool
-        if not isinstance(pool, PolicyBlockPool):
-            return orig_allocate_slots(self, request, *args, **kwargs)
-        first = not self.coordinator.single_type_managers[0].req_to_blocks.get(request.request_id)
-        pool.allocation = _Allocation(request)
-        try:
-            result = orig_allocate_slots(self, request, *args, **kwargs)
-        finally:
-            pool.allocation = None
-        if first and result is not None:
-            pool.block_queries += len(request.block_hashes)
-        return result
-
-    @functools.wraps(orig_new_blocks)
-    def allocate_new_blocks(self: Any, request_id: str, *args: Any, **kwargs: Any) -> Any:
-        pool = self.block_pool
-        allocation = pool.allocation if isinstance(pool, PolicyBlockPool) else None
-        if allocation is not None and request_id not in self._partial_hit_reqs:
-            allocation.start = len(self.req_to_blocks[request_id])
-            allocation.block_size = self.block_size
-            allocation.group_id = self.kv_cache_group_id
-        try:
-            return orig_new_blocks(self, request_id, *args, **kwargs)
-        finally:
-            if allocation is not None:
-                allocation.start = None
-
-    @functools.wraps(orig_schedule)
-    def schedule(self: Any, *args: Any, **kwargs: Any) -> Any:
-        on_step()
-        return orig_schedule(self, *args, **kwargs)
-
-    _installed["policy"] = policy_name
-    kv_cache_coordinator.BlockPool = make_pool  # type: ignore[assignment,misc]
-    kv_cache_manager.KVCacheManager.__init__ = manager_init  # type: ignore[method-assign]
-    kv_cache_manager.KVCacheManager.allocate_slots = allocate_slots  # type: ignore[method-assign]
-    single_type_kv_cache_manager.SingleTypeKVCacheManager.allocate_new_blocks = (  # type: ignore[method-assign]
-        allocate_new_blocks
+# ------------------------------------------------------------------ pools outside vLLM's manager
+def build_block_pool(num_blocks: int, block_size: int, policy_name: str | None) -> BlockPool:
+    """A prefix-caching pool of ``num_blocks`` blocks: vLLM's own (``policy_name`` None, its
+    LRU free queue) or a ``PolicyBlockPool`` evicting by ``policy_name``."""
+    if policy_name is None:
+        return BlockPool(num_blocks, enable_caching=True, hash_block_size=block_size)
+    return PolicyBlockPool(
+        num_blocks, enable_caching=True, hash_block_size=block_size, policy_name=policy_name
     )
-    vllm_scheduler.Scheduler.schedule = schedule  # type: ignore[method-assign]
 
 
-# ------------------------------------------------------------------------ API key guard
-# The paths the API server answers without the key when one is configured. /health: the
-# kubelet's probes send no credentials; /metrics: Prometheus scrapes without one (the chart's
-# NetworkPolicies admit only Prometheus to the port). Nothing else is open: not /ping
-# (SageMaker's probe; ours use /health), /version (it tells an attacker which CVEs apply),
-# /openapi.json, /docs, /redoc (a map of the API for whoever holds the key), nor /tokenize,
-# /invocations, /pooling, ... that vLLM's own middleware leaves open, nor any path a later vLLM
-# adds. Exact matches: /metrics/ or /health/x need the key.
-OPEN_PATHS = frozenset({"/health", "/metrics"})
+def request_builder(block_size: int) -> Callable[[str, list[int]], Request]:
+    """A function ``(request_id, prompt_token_ids) -> Request`` for one-token generations,
+    hashed by vLLM's own request block hasher (sha256, ``block_size`` tokens a block)."""
+    init_none_hash(sha256)
+    hasher = get_request_block_hasher(block_size, sha256)
+
+    def build(request_id: str, prompt_token_ids: list[int]) -> Request:
+        return Request(
+            request_id=request_id,
+            prompt_token_ids=prompt_token_ids,
+            sampling_params=SamplingParams(max_tokens=1),
+            pooling_params=None,
+            block_hasher=hasher,
+        )
+
+    return build
 
 
-def _guard_every_path(self: Any, scope: Scope, receive: Receive, send: Send) -> Any:
-    """``AuthenticationMiddleware.__call__`` guarding every path but ``OPEN_PATHS``.
-
-    vLLM's own guards only ``/v1``, ``/v2``, ``/inference``, ``/cohere``; this keeps its token
-    check (``verify_token``, constant-time) and its 401 body, and its pass-through of non-HTTP
-    scopes and of OPTIONS (CORS preflight carries no credentials and reaches no handler).
-    """
-    if scope["type"] not in ("http", "websocket") or scope.get("method") == "OPTIONS":
-        return self.app(scope, receive, send)
-    path = scope["path"].removeprefix(scope.get("root_path", ""))
-    if path in OPEN_PATHS or self.verify_token(Headers(scope=scope)):
-        return self.app(scope, receive, send)
-    return JSONResponse(content={"error": "Unauthorized"}, status_code=401)(scope, receive, send)
-
-
-def guard_every_path() -> None:
-    """Make vLLM's API-key middleware guard every path but ``OPEN_PATHS``. Idempotent.
-
-    vLLM adds the middleware only when a key is configured (``--api-key`` or ``VLLM_API_KEY``)
-    and builds it after general plugins were loaded in the API server process (argument
-    parsing loads them), so patching the class here puts the guard in front of every route.
-    """
-    vllm_authenticate.AuthenticationMiddleware.__call__ = _guard_every_path  # type: ignore[method-assign]
-
-
-def set_policy_name(name: str) -> None:
-    """The policy new pools start with (after a live switch, new pools follow it)."""
-    _installed["policy"] = name
+def get_new_blocks_for(
+    pool: BlockPool, request: Request, start: int, block_size: int, num_blocks: int
+) -> list[KVCacheBlock]:
+    """``pool.get_new_blocks(num_blocks)`` for the blocks of ``request`` from index ``start`` of
+    its block table, as vLLM's KV cache manager asks for them with the ``patches`` wrappers
+    installed: a ``PolicyBlockPool`` learns the keys the blocks will hold (group 0)."""
+    if not isinstance(pool, PolicyBlockPool):
+        return pool.get_new_blocks(num_blocks)
+    pool.allocation = Allocation(request, start, block_size)
+    try:
+        return pool.get_new_blocks(num_blocks)
+    finally:
+        pool.allocation = None

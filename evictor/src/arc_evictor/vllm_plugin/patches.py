@@ -1,0 +1,306 @@
+"""Installs the plugin into vLLM 0.32, and lists every vLLM internal the plugin touches.
+
+``VLLM_INTERNALS`` is that list: the targeted vLLM version and, for each private attribute the
+plugin reads or calls, each vLLM symbol it patches and each ``BlockPool`` method
+``PolicyBlockPool`` overrides, where vLLM defines it and what the plugin uses it for. Files read
+to write it: ``vllm/v1/core/block_pool.py``, ``kv_cache_utils.py``, ``kv_cache_manager.py``,
+``single_type_kv_cache_manager.py``, ``kv_cache_coordinator.py``, ``sched/scheduler.py`` and
+``vllm/entrypoints/serve/middleware/authenticate.py``. A test holds the list complete (an AST
+scan of the plugin's modules) and checks every entry against the installed vLLM; the public
+attributes of the same classes the pool reads (``free_block_queue``, ``blocks``,
+``metrics_collector``, ``req_to_blocks``, ...) are exercised by the tests that drive vLLM's own
+KV cache manager. To support another vLLM, re-read those files and walk this list.
+
+Only this module and ``block_pool`` import vLLM internals, and ``register`` imports them only
+after ``version.check_vllm_version`` accepted the installed vLLM.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from vllm.entrypoints.serve.middleware import authenticate as vllm_authenticate
+from vllm.v1.core import kv_cache_coordinator, kv_cache_manager, single_type_kv_cache_manager
+from vllm.v1.core.sched import scheduler as vllm_scheduler
+from vllm.v1.kv_cache_interface import FullAttentionSpec
+from vllm.v1.request import Request
+
+from arc_evictor.vllm_plugin.auth import authenticate_every_path
+from arc_evictor.vllm_plugin.block_pool import Allocation, PolicyBlockPool
+from arc_evictor.vllm_plugin.version import TARGET_VLLM, UnsupportedVllmError
+
+# private: a private attribute read or called; patched: replaced in vLLM by the plugin;
+# overridden: a ``BlockPool`` method ``PolicyBlockPool`` redefines.
+InternalKind = Literal["private", "patched", "overridden"]
+
+
+@dataclass(frozen=True, slots=True)
+class VllmInternal:
+    """One vLLM name the plugin depends on that vLLM does not promise to keep."""
+
+    owner: str  # dotted path of the vLLM class or module that holds ``name``
+    name: str
+    kind: InternalKind
+    use: str  # what the plugin uses it for
+
+
+@dataclass(frozen=True, slots=True)
+class VllmInternals:
+    """The vLLM internals the plugin touches, as read in vLLM ``vllm_version``."""
+
+    vllm_version: str
+    entries: tuple[VllmInternal, ...]
+
+
+_BLOCK_POOL = "vllm.v1.core.block_pool.BlockPool"
+_SINGLE_TYPE_MANAGER = "vllm.v1.core.single_type_kv_cache_manager.SingleTypeKVCacheManager"
+_KV_CACHE_MANAGER = "vllm.v1.core.kv_cache_manager.KVCacheManager"
+
+VLLM_INTERNALS = VllmInternals(
+    vllm_version=TARGET_VLLM,
+    entries=(
+        VllmInternal(
+            "vllm.v1.core.kv_cache_utils.KVCacheBlock",
+            "_block_hash",
+            "private",
+            "the slot behind the block_hash property, read in its place on the hot paths of "
+            "PolicyBlockPool.cache_full_blocks and free_blocks",
+        ),
+        VllmInternal(
+            "vllm.v1.core.block_pool.BlockHashToBlockMap",
+            "_cache",
+            "private",
+            "the dict behind BlockPool.cached_block_hash_to_block: "
+            "PolicyBlockPool.prefix_cache_keys lists the keys vLLM's prefix-cache map holds "
+            "(the live-switch log line, verify)",
+        ),
+        VllmInternal(
+            _BLOCK_POOL,
+            "_maybe_evict_cached_block",
+            "private",
+            "takes a block out of vLLM's prefix-cache map with vLLM's own BlockRemoved events "
+            "and KV cache metrics: on eviction, when a free copy is handed back to a request, "
+            "when a redundant copy is dropped, in evict_blocks",
+        ),
+        VllmInternal(
+            _BLOCK_POOL,
+            "_reuse_watchers",
+            "private",
+            "PolicyBlockPool.get_new_blocks checks for callbacks waiting on reused blocks, as "
+            "vLLM's get_new_blocks does",
+        ),
+        VllmInternal(
+            _BLOCK_POOL,
+            "_notify_reuse",
+            "private",
+            "PolicyBlockPool.get_new_blocks runs those callbacks, as vLLM's get_new_blocks does",
+        ),
+        VllmInternal(
+            _SINGLE_TYPE_MANAGER,
+            "_partial_hit_reqs",
+            "private",
+            "the allocate_new_blocks wrapper gives no keys to the new blocks of a request with "
+            "a partial prefix-cache hit",
+        ),
+        VllmInternal(
+            "vllm.v1.core.kv_cache_coordinator",
+            "BlockPool",
+            "patched",
+            "the name the KV cache coordinator builds its device pool by; replaced by a factory "
+            "of PolicyBlockPool",
+        ),
+        VllmInternal(
+            _KV_CACHE_MANAGER,
+            "__init__",
+            "patched",
+            "wrapped: refuses KV cache layouts the policy pool does not model "
+            "(check_supported_layout)",
+        ),
+        VllmInternal(
+            _KV_CACHE_MANAGER,
+            "allocate_slots",
+            "patched",
+            "wrapped: sets the pool's Allocation for the request being allocated and counts "
+            "the blocks a new request looks up",
+        ),
+        VllmInternal(
+            _SINGLE_TYPE_MANAGER,
+            "allocate_new_blocks",
+            "patched",
+            "wrapped: tells the Allocation where the new blocks start in the request's block "
+            "table, and their block size and group",
+        ),
+        VllmInternal(
+            "vllm.v1.core.sched.scheduler.Scheduler",
+            "schedule",
+            "patched",
+            "wrapped: runs the plugin's per-step hook (live policy switch, metrics) first",
+        ),
+        VllmInternal(
+            "vllm.entrypoints.serve.middleware.authenticate.AuthenticationMiddleware",
+            "__call__",
+            "patched",
+            "replaced by auth.authenticate_every_path: the API key guards every path but "
+            "auth.OPEN_PATHS",
+        ),
+        VllmInternal(
+            _BLOCK_POOL, "__init__", "overridden", "extended: the same arguments and policy_name"
+        ),
+        VllmInternal(
+            _BLOCK_POOL,
+            "get_num_free_blocks",
+            "overridden",
+            "free blocks without a hash plus evictable cached blocks",
+        ),
+        VllmInternal(_BLOCK_POOL, "touch", "overridden", "a committed hit: pin, then find"),
+        VllmInternal(
+            _BLOCK_POOL,
+            "get_new_blocks",
+            "overridden",
+            "takes resident incoming keys first, then evicts the policy's victims",
+        ),
+        VllmInternal(
+            _BLOCK_POOL,
+            "cache_full_blocks",
+            "overridden",
+            "extended: a key decided after allocation enters the policy",
+        ),
+        VllmInternal(_BLOCK_POOL, "free_blocks", "overridden", "ref 1 -> 0: unpin"),
+        VllmInternal(_BLOCK_POOL, "evict_blocks", "overridden", "invalidation: remove"),
+        VllmInternal(
+            _BLOCK_POOL, "reset_prefix_cache", "overridden", "extended: the policy is cleared"
+        ),
+        VllmInternal(
+            _BLOCK_POOL, "unpin_blocks", "overridden", "refused: HiSparse is not modelled"
+        ),
+        VllmInternal(
+            _BLOCK_POOL,
+            "cache_partial_block",
+            "overridden",
+            "refused: partial-block prefix caching is not modelled",
+        ),
+        VllmInternal(
+            _BLOCK_POOL,
+            "move_block_hashes",
+            "overridden",
+            "refused: moving hashes between blocks (copy-on-write) is not modelled",
+        ),
+    ),
+)
+
+_POOLS: weakref.WeakSet[PolicyBlockPool] = weakref.WeakSet()
+
+
+def live_pools() -> list[PolicyBlockPool]:
+    """Every policy pool alive in this process (one per engine core)."""
+    return list(_POOLS)
+
+
+def check_supported_layout(manager: Any) -> None:
+    """Refuse KV cache layouts the policy pool does not model (hybrid, sliding window, ...)."""
+    groups = manager.kv_cache_config.kv_cache_groups
+    if len(groups) != 1 or not isinstance(groups[0].kv_cache_spec, FullAttentionSpec):
+        kinds = ", ".join(type(g.kv_cache_spec).__name__ for g in groups)
+        raise UnsupportedVllmError(
+            "arc_evictor drives models whose KV cache is one full-attention group; this model "
+            f"has [{kinds}]. Unset ARC_EVICTOR_POLICY/ARC_EVICTOR_CONFIG for this model."
+        )
+    if manager.coordinator.enable_partial_hash_hits:
+        raise UnsupportedVllmError("arc_evictor does not support partial prefix-cache hits")
+
+
+_installed: dict[str, Any] = {}
+
+
+def install(
+    policy_name: str,
+    on_step: Callable[[], None],
+    on_pool: Callable[[PolicyBlockPool], None],
+) -> None:
+    """Patch vLLM so every device pool the KV cache coordinator builds is a PolicyBlockPool.
+
+    ``on_step`` runs before every scheduler step (live switching, metrics); ``on_pool`` runs
+    once per new pool. Idempotent within a process. Every patched path checks for a
+    ``PolicyBlockPool`` first, so a pool built otherwise behaves as vLLM's own.
+    """
+    if _installed:
+        return
+
+    def make_pool(*args: Any, **kwargs: Any) -> PolicyBlockPool:
+        pool = PolicyBlockPool(*args, policy_name=_installed["policy"], **kwargs)
+        _POOLS.add(pool)
+        on_pool(pool)
+        return pool
+
+    orig_manager_init = kv_cache_manager.KVCacheManager.__init__
+    orig_allocate_slots = kv_cache_manager.KVCacheManager.allocate_slots
+    orig_new_blocks = single_type_kv_cache_manager.SingleTypeKVCacheManager.allocate_new_blocks
+    orig_schedule = vllm_scheduler.Scheduler.schedule
+
+    @functools.wraps(orig_manager_init)
+    def manager_init(self: Any, *args: Any, **kwargs: Any) -> None:
+        orig_manager_init(self, *args, **kwargs)
+        if isinstance(self.block_pool, PolicyBlockPool):
+            check_supported_layout(self)
+
+    @functools.wraps(orig_allocate_slots)
+    def allocate_slots(self: Any, request: Request, *args: Any, **kwargs: Any) -> Any:
+        pool = self.block_pool
+        if not isinstance(pool, PolicyBlockPool):
+            return orig_allocate_slots(self, request, *args, **kwargs)
+        first = not self.coordinator.single_type_managers[0].req_to_blocks.get(request.request_id)
+        pool.allocation = Allocation(request)
+        try:
+            result = orig_allocate_slots(self, request, *args, **kwargs)
+        finally:
+            pool.allocation = None
+        if first and result is not None:
+            pool.block_queries += len(request.block_hashes)
+        return result
+
+    @functools.wraps(orig_new_blocks)
+    def allocate_new_blocks(self: Any, request_id: str, *args: Any, **kwargs: Any) -> Any:
+        pool = self.block_pool
+        allocation = pool.allocation if isinstance(pool, PolicyBlockPool) else None
+        if allocation is not None and request_id not in self._partial_hit_reqs:
+            allocation.start = len(self.req_to_blocks[request_id])
+            allocation.block_size = self.block_size
+            allocation.group_id = self.kv_cache_group_id
+        try:
+            return orig_new_blocks(self, request_id, *args, **kwargs)
+        finally:
+            if allocation is not None:
+                allocation.start = None
+
+    @functools.wraps(orig_schedule)
+    def schedule(self: Any, *args: Any, **kwargs: Any) -> Any:
+        on_step()
+        return orig_schedule(self, *args, **kwargs)
+
+    _installed["policy"] = policy_name
+    kv_cache_coordinator.BlockPool = make_pool  # type: ignore[assignment,misc]
+    kv_cache_manager.KVCacheManager.__init__ = manager_init  # type: ignore[method-assign]
+    kv_cache_manager.KVCacheManager.allocate_slots = allocate_slots  # type: ignore[method-assign]
+    single_type_kv_cache_manager.SingleTypeKVCacheManager.allocate_new_blocks = (  # type: ignore[method-assign]
+        allocate_new_blocks
+    )
+    vllm_scheduler.Scheduler.schedule = schedule  # type: ignore[method-assign]
+
+
+def set_policy_name(name: str) -> None:
+    """The policy new pools start with (after a live switch, new pools follow it)."""
+    _installed["policy"] = name
+
+
+def guard_every_path() -> None:
+    """Make vLLM's API-key middleware guard every path but ``auth.OPEN_PATHS``. Idempotent.
+
+    vLLM adds the middleware only when a key is configured (``--api-key`` or ``VLLM_API_KEY``)
+    and builds it after general plugins were loaded in the API server process (argument
+    parsing loads them), so patching the class here puts the guard in front of every route.
+    """
+    vllm_authenticate.AuthenticationMiddleware.__call__ = authenticate_every_path  # type: ignore[method-assign]
