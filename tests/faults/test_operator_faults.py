@@ -23,10 +23,11 @@ from tests.operator.conftest import (
     NETWORKPOLICIES,
     SERVICES,
     SP_RESOURCE,
+    creations,
     eventually,
     make_servingpolicy,
     make_spec,
-    operator_writes,
+    operator_applies,
     stored,
 )
 
@@ -42,7 +43,8 @@ CHILDREN = [
 # The bound on a recreation: an event round trip and a few API calls on this machine take
 # well under a second; the timer (parked at an hour) would take 3600 s.
 RECREATE_BOUND_S = 5.0
-# Fields the API server (here kmock) sets on each stored copy; the rest must come back equal.
+# Fields the API server (here the apply emulation in tests/operator/conftest.py) sets on each
+# created object; the rest must come back equal.
 SERVER_FIELDS = ("resourceVersion", "uid", "creationTimestamp", "generation")
 
 
@@ -101,7 +103,7 @@ async def test_deleted_children_are_recreated_by_the_event_handler(
     deletions = recreations = 0
     # Each child alone, then all of them at once.
     for batch in [[child] for child in CHILDREN] + [CHILDREN]:
-        posts = {resource: operator_writes(cluster, resource, "POST") for resource, _, _ in batch}
+        created = {resource: creations(cluster, resource, name) for resource, _, name in batch}
         started = time.monotonic()
         for _, path, name in batch:
             response = await cluster.delete(f"{path}/{name}")
@@ -112,7 +114,8 @@ async def test_deleted_children_are_recreated_by_the_event_handler(
                 lambda r=resource, n=name: stored(cluster, r, n), timeout=RECREATE_BOUND_S
             )
             assert comparable(back) == comparable(before[resource])
-            assert operator_writes(cluster, resource, "POST") == posts[resource] + 1
+            assert back["metadata"]["uid"] != before[resource]["metadata"]["uid"]
+            assert creations(cluster, resource, name) == created[resource] + 1
             recreations += 1
         assert time.monotonic() - started < RECREATE_BOUND_S
     assert deletions == recreations == 2 * len(CHILDREN)
@@ -125,6 +128,9 @@ async def test_children_of_a_policy_being_deleted_are_not_recreated(
 ) -> None:
     await create_sp(cluster, "demo", make_spec())
     await wait_for_children(cluster)
+    # Both passes the operator makes at start (the create handler's and the timer's first)
+    # are done, so any apply after the deletion would be a repair.
+    await eventually(lambda: len(operator_applies(cluster, DEPLOYMENTS)) >= 2)
     # Foreground deletion as the API server does it: the owner is marked and held by a
     # finalizer while the garbage collector deletes its children.
     await merge_patch(
@@ -138,12 +144,12 @@ async def test_children_of_a_policy_being_deleted_are_not_recreated(
         },
     )
     await asyncio.sleep(0.5)  # the index sees the mark through the watch
-    posts = operator_writes(cluster, DEPLOYMENTS, "POST")
+    applies = len(operator_applies(cluster, DEPLOYMENTS))
     response = await cluster.delete(f"{CHILDREN[0][1]}/demo")
     assert response.status == 200, await response.text()
     await asyncio.sleep(2.0)
     assert stored(cluster, DEPLOYMENTS, "demo") is None
-    assert operator_writes(cluster, DEPLOYMENTS, "POST") == posts
+    assert len(operator_applies(cluster, DEPLOYMENTS)) == applies
 
 
 async def test_operator_restart_mid_update_converges_without_duplicates(cluster, operator) -> None:
@@ -152,16 +158,18 @@ async def test_operator_restart_mid_update_converges_without_duplicates(cluster,
     lru = stored(cluster, CONFIGMAPS, "demo-policy")
     held, answer, stopped = asyncio.Event(), asyncio.Event(), asyncio.Event()
 
-    async def hold_configmap_write() -> kmock.Response | None:
-        """Until the operator has stopped, refuse its ConfigMap writes (the update's last
-        step): the first hangs until ``answer``, every one gets 503, as from a server going
-        away.
+    async def hold_configmap_write(request: kmock.Request) -> kmock.Response:
+        """Until the operator has stopped, refuse its writes of the new ConfigMap (the
+        update's last step): the first hangs until ``answer``, every one gets 503, as from a
+        server going away. Other writes (the timer's applies of the old one) are answered as
+        kmock does, 200 with the stored object (a reaction that answers nothing is disabled,
+        and one that answers no status keeps the last one it gave).
 
         kmock stores a write before reactions run; a server that refused it has not written
         it, so the stored ConfigMap is put back first.
         """
-        if stopped.is_set():
-            return None  # fall through to kmock's own handling
+        if stopped.is_set() or request.data["data"] == lru["data"]:
+            return kmock.Response(status=200, payload=stored(cluster, CONFIGMAPS, "demo-policy"))
         cluster.objects[CONFIGMAPS, NAMESPACE, "demo-policy"] = lru
         held.set()
         await answer.wait()
@@ -192,7 +200,6 @@ async def test_operator_restart_mid_update_converges_without_duplicates(cluster,
     stopped.set()
     # No pass finished: the status still describes generation 1.
     assert status_of(cluster, "demo")["observedGeneration"] == 1
-    posts = {resource: operator_writes(cluster, resource, "POST") for resource, _, _ in CHILDREN}
 
     await operator.start()
     await eventually(
@@ -206,5 +213,5 @@ async def test_operator_restart_mid_update_converges_without_duplicates(cluster,
     assert stored(cluster, DEPLOYMENTS, "demo")["spec"]["replicas"] == 3
     for resource, _, name in CHILDREN:
         assert owned(cluster, resource, "uid-demo") == [name]
-        assert operator_writes(cluster, resource, "POST") == posts[resource] == 1
+        assert creations(cluster, resource, name) == 1
     assert valid(cluster, "demo")

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import datetime
 import threading
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -179,10 +181,41 @@ def cluster(kmock: kmock.KubernetesEmulator, tmp_path: Path, monkeypatch: pytest
     path.write_text(yaml.safe_dump(config))
     monkeypatch.setenv("KUBECONFIG", str(path))
     monkeypatch.setattr(type(kmock), "_render_error", _refuse_failed_patch_tests)
+    monkeypatch.setattr(type(kmock), "_handle", _create_on_apply)
     return kmock
 
 
 _render_error = kmock.KubernetesEmulator._render_error
+_handle = kmock.KubernetesEmulator._handle
+APPLY_PATCH = "application/apply-patch+yaml"
+
+
+def is_apply(request: Any) -> bool:
+    """Whether ``request`` is a server-side apply (PATCH of application/apply-patch+yaml)."""
+    content_type = request.headers.get("Content-Type", "")
+    return request.method.value == "PATCH" and content_type.startswith(APPLY_PATCH)
+
+
+async def _create_on_apply(self: kmock.KubernetesEmulator, request: Any) -> web.StreamResponse:
+    """A server-side apply of an object that does not exist creates it, with a fresh uid and
+    creationTimestamp, as the API server does; kmock 0.8 answers 404. An apply of an existing
+    object goes on to kmock's patch (a recursive merge of the applied fields)."""
+    if is_apply(request) and request.resource is not None and request.name is not None:
+        key = (request.resource, request.namespace, request.name)
+        async with self._lock:
+            if key not in self.objects or self.objects[key].deleted:
+                created = copy.deepcopy(request.data)
+                created["metadata"].update(
+                    uid=str(uuid.uuid4()),
+                    creationTimestamp=datetime.datetime.now(tz=datetime.UTC).isoformat(),
+                )
+                if key in self.objects:
+                    self.objects[key].create(created)
+                else:
+                    self.objects[key] = created
+                raw = self.objects[key].raw
+                await self._buses[request.resource].put({"type": "ADDED", "object": raw})
+    return await _handle(self, request)
 
 
 async def _refuse_failed_patch_tests(
@@ -289,6 +322,23 @@ def stored(kube: kmock.KubernetesEmulator, resource: Any, name: str) -> dict[str
     if key not in kube.objects or kube.objects[key].deleted:
         return None
     return copy.deepcopy(dict(kube.objects[key].raw))
+
+
+def creations(kube: kmock.KubernetesEmulator, resource: Any, name: str) -> int:
+    """How many times the object was created: the distinct uids in its history."""
+    history = kube.objects[resource, NAMESPACE, name].history
+    return len({version["metadata"]["uid"] for version in history if version is not None})
+
+
+def operator_applies(cluster, resource: Any) -> list[Any]:
+    """The operator's server-side applies of ``resource``, oldest first."""
+    return [
+        request
+        for request in list(cluster)
+        if request.resource == resource
+        and is_apply(request)
+        and "kmock" not in request.headers.get("User-Agent", "")
+    ]
 
 
 def operator_writes(cluster, resource: Any, method: str) -> int:

@@ -36,6 +36,25 @@ def test_every_servingpolicy_is_rendered_in_both_switch_modes(
         (container,) = children[0]["spec"]["template"]["spec"]["containers"]
         assert env in {var["name"] for var in container["env"]}
         assert children[2]["spec"]["ingress"][0]["from"] == SERVING_PEERS
+        # Only the scanned Deployment carries checkov's skips.
+        assert "checkov.io/skip1" in children[0]["metadata"]["annotations"]
+        assert all("annotations" not in child["metadata"] for child in children[1:])
+
+
+def skipped_checks(image: str) -> dict[str, str]:
+    """Check id -> reason, from the skip annotations of the rendered Deployment of ``image``."""
+    policy = make_servingpolicy("demo", make_spec(image=image))
+    rendered = yaml.safe_load_all(render.render([policy], [])["serving-demo-hot.yaml"])
+    deployment = next(child for child in rendered if child["kind"] == "Deployment")
+    return dict(skip.split("=", 1) for skip in deployment["metadata"]["annotations"].values())
+
+
+def test_deployment_skips_have_reasons_and_digest_pins_need_no_image_skip() -> None:
+    tagged = skipped_checks("ghcr.io/arc-serving/vllm:0.1.0")
+    assert set(tagged) == {"CKV_K8S_15", "CKV_K8S_35", "CKV_K8S_43"}
+    assert all(len(reason) > 20 for reason in tagged.values())
+    pinned = skipped_checks("ghcr.io/arc-serving/vllm@sha256:" + "0" * 64)
+    assert set(pinned) == {"CKV_K8S_15", "CKV_K8S_35"}
 
 
 @pytest.mark.parametrize(

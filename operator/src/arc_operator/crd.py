@@ -20,7 +20,8 @@ from typing import Any
 import yaml
 
 from arc_operator import GROUP, KIND, PLURAL, SHORT_NAMES, SINGULAR, VERSION
-from arc_operator.models import ServingPolicySpec, ServingPolicyStatus
+from arc_operator.models import ServingPolicySpec
+from arc_operator.status import ServingPolicyStatus
 
 PRINTER_COLUMNS: list[dict[str, Any]] = [
     {"name": "Policy", "type": "string", "jsonPath": ".spec.policy"},

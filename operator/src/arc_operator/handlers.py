@@ -12,8 +12,9 @@ Create, update (of ``spec``), resume and the status timer all call one ``reconci
 Errors: a child the API server refuses for its content (a 4xx other than 404, 409 and 429)
 is permanent: the status says ``Valid=False``/``ApplyRejected`` with the server's message
 and a change handler fails for good (the timer tries again each interval, so a fixed
-admission policy or quota heals). No response, 5xx, 404 (a child vanished mid-apply), 409 and
-429 are transient: kopf retries after ``RETRY_DELAY_S``.
+admission policy or quota heals). No response, 5xx, 404 (the namespace is gone), 409 (two
+applies racing to create one child) and 429 are transient: kopf retries after
+``RETRY_DELAY_S``.
 
 Deleted children: a child deleted behind the operator's back (``kubectl delete deployment``)
 is recreated at once, not at the next timer pass: an event handler on the child kinds,
@@ -22,14 +23,17 @@ never lists or streams anyone else's objects), looks the owner up in an in-memor
 ServingPolicies (kopf's ``@kopf.index``, fed by the watch the operator already has, so no
 extra ``get`` permission) and re-applies its children under the owner's lock. It skips an
 owner that is itself being deleted (the garbage collector is removing the children) and an
-invalid spec (the timer reports it). Edited children are put back by the timer, whose
+invalid spec (the timer reports it). Edited children are put back by the timer's apply, whose
 interval bounds every repair that an event missed.
 
-Idempotency: a child is created only if it does not exist (a 409 from a concurrent create
-falls through to apply), and re-applied only when its manifest hash annotation differs or
-its fields drifted (compared as the API server stores them: quantities by value, empty
-strings as absent), so re-running any handler, or restarting the operator, converges
-without duplicates or needless writes.
+Convergence: children are written only with server-side apply, as field manager
+``arc_operator.FIELD_MANAGER`` with ``force``, so the operator owns every field its manifests
+set and takes back any that another manager changed. Every pass applies every child, and the
+API server does the comparing: it holds the applied fields in their stored form (quantities
+canonical, defaults filled in), so an apply that changes nothing writes nothing (no new
+resourceVersion, no rollout), an apply creates a missing child, and a field dropped from a
+manifest is removed. Re-running any handler, or restarting the operator, therefore converges
+without duplicates, and the timer's pass repairs drift within one interval.
 
 The timer's interval is fixed when the handlers are registered, so ``register`` takes the
 validated settings; importing this module registers them on kopf's default registry with
@@ -41,14 +45,10 @@ from __future__ import annotations
 import asyncio
 import copy
 import datetime
-import hashlib
-import json
 import logging
 import os
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from decimal import Decimal
 from typing import Any
 
 import aiohttp
@@ -56,7 +56,7 @@ import kopf
 
 from arc_operator import FINALIZER, GROUP, PLURAL, VERSION
 from arc_operator import manifests as mf
-from arc_operator.kube import ApiError, KubeApi, login, manifest_path, object_path
+from arc_operator.kube import ApiError, KubeApi, login, object_path
 from arc_operator.metrics import MetricsError, PodMetrics, hit_rate, parse_metrics
 from arc_operator.models import OperatorConfig, ServingPolicySpec, SpecError, parse_spec
 from arc_operator.status import (
@@ -68,23 +68,11 @@ from arc_operator.status import (
     status_patch,
 )
 
-HASH_ANNOTATION = f"{GROUP}/manifest-hash"
 # How long kopf waits before retrying after a transient API error.
 RETRY_DELAY_S = 10.0
-# 4xx statuses that retrying can cure: the object vanished, a write raced, throttling.
+# 4xx statuses that retrying can cure: a namespace not there (yet), two creating applies
+# racing, throttling.
 TRANSIENT_CLIENT_ERRORS = frozenset({404, 409, 429})
-# Kubernetes quantity (resource.Quantity): number, then a binary, decimal or exponent suffix.
-QUANTITY = re.compile(
-    r"^(?P<number>[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+))"
-    r"(?:(?P<suffix>[KMGTPE]i|[numkMGTPE])|[eE](?P<exponent>[+-]?[0-9]+))?$"
-)
-QUANTITY_SUFFIXES = {
-    **{s: Decimal(1024) ** (i + 1) for i, s in enumerate(["Ki", "Mi", "Gi", "Ti", "Pi", "Ei"])},
-    **{s: Decimal(10) ** e for s, e in [("n", -9), ("u", -6), ("m", -3), ("k", 3), ("M", 6)]},
-    **{s: Decimal(10) ** e for s, e in [("G", 9), ("T", 12), ("P", 15), ("E", 18)]},
-}
-# Keys whose values the API server stores as canonical quantities ("0.5" becomes "500m").
-QUANTITY_MAPS = frozenset({"requests", "limits"})
 # How long a running status/repair pass may take to finish when the operator stops.
 SHUTDOWN_GRACE_S = 10.0
 
@@ -150,71 +138,6 @@ def configure(settings: kopf.OperatorSettings) -> None:
     settings.background.instant_exit_timeout = SHUTDOWN_GRACE_S
 
 
-def manifest_hash(manifest: Mapping[str, Any]) -> str:
-    """A stable digest of a manifest (canonical JSON)."""
-    canonical = json.dumps(manifest, sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(canonical.encode()).hexdigest()[:16]
-
-
-def quantity(text: str) -> Decimal | None:
-    """The value of a Kubernetes quantity ("500m" is 0.5, "1Gi" is 2**30); None if not one."""
-    match = QUANTITY.match(text)
-    if match is None:
-        return None
-    number = Decimal(match["number"])
-    if match["exponent"] is not None:
-        return number.scaleb(int(match["exponent"]))
-    return number * QUANTITY_SUFFIXES[match["suffix"]] if match["suffix"] else number
-
-
-def is_subset(desired: Any, actual: Any, *, quantities: bool = False) -> bool:
-    """Whether every field of ``desired`` is in ``actual`` with the same value, as the API
-    server stores it.
-
-    Lists must match element by element; extra fields in ``actual`` (server defaults,
-    other labels) are ignored. The server's canonical forms count as equal: an empty string
-    matches an absent field (Go's ``omitempty``), and under ``requests``/``limits`` quantities
-    compare by value ("0.5" is "500m").
-    """
-    if isinstance(desired, Mapping):
-        return isinstance(actual, Mapping) and all(
-            is_subset(value, actual[key], quantities=quantities or key in QUANTITY_MAPS)
-            if key in actual
-            else value == ""
-            for key, value in desired.items()
-        )
-    if isinstance(desired, list):
-        return (
-            isinstance(actual, list)
-            and len(desired) == len(actual)
-            and all(is_subset(d, a) for d, a in zip(desired, actual, strict=True))
-        )
-    if quantities and isinstance(desired, str) and isinstance(actual, str):
-        value = quantity(desired)
-        return value is not None and value == quantity(actual)
-    return bool(desired == actual)
-
-
-async def apply_child(api: KubeApi, manifest: dict[str, Any]) -> str:
-    """Create or re-apply one child; returns "created", "applied" or "unchanged"."""
-    digest = manifest_hash(manifest)
-    manifest["metadata"].setdefault("annotations", {})[HASH_ANNOTATION] = digest
-    existing = await api.get(manifest_path(manifest))
-    if existing is None:
-        try:
-            await api.create(manifest)
-            return "created"
-        except ApiError as error:
-            if error.status != 409:  # 409: created concurrently; compare and apply below
-                raise
-            existing = await api.get(manifest_path(manifest))
-    annotations = (existing or {}).get("metadata", {}).get("annotations") or {}
-    if annotations.get(HASH_ANNOTATION) == digest and is_subset(manifest, existing):
-        return "unchanged"
-    await api.apply(manifest)
-    return "applied"
-
-
 def rejected(error: ApiError) -> bool:
     """Whether the API server refused a request for its content (retrying cannot help)."""
     return 400 <= error.status < 500 and error.status not in TRANSIENT_CLIENT_ERRORS
@@ -226,15 +149,14 @@ async def apply_children(
     spec: ServingPolicySpec,
     logger: logging.Logger | Any,
 ) -> None:
-    """Apply every child of ``body`` (a ServingPolicy) in order, owned by it; stop at the
-    first error."""
+    """Server-side apply every child of ``body`` (a ServingPolicy) in order, owned by it;
+    stop at the first error."""
     meta = body["metadata"]
     api, peers = runtime.api, runtime.config.peers()
     for manifest in mf.children(meta["name"], meta["namespace"], spec, peers):
         kopf.adopt(manifest, owner=body)  # type: ignore[arg-type]  # any owner mapping
-        outcome = await apply_child(api, manifest)
-        if outcome != "unchanged":
-            logger.info(f"{outcome} {manifest['kind']} {manifest['metadata']['name']}")
+        await api.apply(manifest)
+        logger.debug(f"applied {manifest['kind']} {manifest['metadata']['name']}")
 
 
 def _pod_ready(pod: Mapping[str, Any]) -> bool:
@@ -296,8 +218,8 @@ async def reconcile(
     event and fails the handler permanently; the timer only records it in the status.
     """
     runtime: Runtime = memo["runtime"]
-    # One pass at a time per object, so the second sees the first's writes and makes none
-    # of its own.
+    # One pass at a time per object: two passes never interleave their applies, so the
+    # children always come from one spec.
     async with runtime.lock(body.meta.namespace or "", body.meta.name or ""):
         await _reconcile_locked(runtime, body, spec, status, patch, memo, logger, strict)
 

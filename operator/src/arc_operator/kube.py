@@ -2,9 +2,10 @@
 
 It uses kopf's own credentials (``kopf.login_with_service_account``, then
 ``kopf.login_with_kubeconfig``), so the operator and its kopf core talk to the same server
-with the same identity, and adds no client library. Children are written with server-side
-apply (field manager ``arc-serving-operator``): re-applying the same manifest is a no-op and
-fields dropped from a manifest are removed.
+with the same identity, and adds no client library. Children are written only with server-side
+apply (field manager ``arc-serving-operator``, with ``force``): an apply creates a missing
+object, re-applying the same manifest is a no-op, and fields dropped from a manifest are
+removed.
 """
 
 from __future__ import annotations
@@ -42,14 +43,11 @@ def object_path(api_version: str, plural: str, namespace: str, name: str | None 
     return f"{path}/{name}" if name else path
 
 
-def manifest_path(manifest: Mapping[str, Any], *, named: bool = True) -> str:
-    """The URL path of a manifest's object (or of its collection when ``named`` is False)."""
+def manifest_path(manifest: Mapping[str, Any]) -> str:
+    """The URL path of a manifest's object."""
     meta = manifest["metadata"]
     return object_path(
-        manifest["apiVersion"],
-        PLURALS[manifest["kind"]],
-        meta["namespace"],
-        meta["name"] if named else None,
+        manifest["apiVersion"], PLURALS[manifest["kind"]], meta["namespace"], meta["name"]
     )
 
 
@@ -136,15 +134,9 @@ class KubeApi:
         """Fetch one object, or None if it does not exist."""
         return await self.request("GET", path)
 
-    async def create(self, manifest: Mapping[str, Any]) -> dict[str, Any]:
-        """Create an object; raises ApiError (409 if it already exists)."""
-        created = await self.request("POST", manifest_path(manifest, named=False), body=manifest)
-        if created is None:
-            raise ApiError(404, f"namespace {manifest['metadata']['namespace']!r} not found")
-        return created
-
     async def apply(self, manifest: Mapping[str, Any]) -> dict[str, Any]:
-        """Server-side apply of ``manifest``, taking over conflicting fields."""
+        """Server-side apply of ``manifest``, taking over conflicting fields; creates the
+        object if it does not exist. Returns the object as the API server stored it."""
         applied = await self.request(
             "PATCH",
             manifest_path(manifest),
@@ -153,7 +145,7 @@ class KubeApi:
             content_type="application/apply-patch+yaml",
         )
         if applied is None:
-            raise ApiError(404, f"{manifest_path(manifest)} vanished while being applied")
+            raise ApiError(404, f"{manifest_path(manifest)}: its namespace or kind is not served")
         return applied
 
     async def list(

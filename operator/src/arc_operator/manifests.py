@@ -57,8 +57,8 @@ WRITABLE_DIRS_ENV = {
 }
 # emptyDir caps (kubelet evicts a pod that exceeds one). HOME's is the spec's
 # resources.homeSizeLimit: a model downloaded from the Hub lands there and its size is the
-# model's. Canonical quantity forms, so the API server stores them unchanged and reconciliation
-# sees no drift.
+# model's. Canonical quantity forms, the ones the API server stores, so the live object reads
+# as written here.
 TMP_SIZE_LIMIT = "2Gi"
 METRICS_SIZE_LIMIT = "256Mi"
 # vLLM's processes exchange tensors and messages here: the pod's memory-backed emptyDir.
@@ -274,29 +274,12 @@ def pod_template(name: str, spec: ServingPolicySpec) -> dict[str, Any]:
     }
 
 
-def checkov_skips(spec: ServingPolicySpec) -> dict[str, str]:
-    """checkov's skip annotations (``checkov.io/skipN: CHECK=reason``) for the Deployment: the
-    checks that are wrong for it, each with the reason (``make audit`` scans these manifests)."""
-    skips = [
-        "CKV_K8S_35=vLLM reads its API key only from the environment (VLLM_API_KEY) or its "
-        "command line, which any process lister sees; the kubelet fills it from the Secret",
-        "CKV_K8S_15=the image is the ServingPolicy's spec.image; the cluster's default pull "
-        "policy applies (Always for :latest, IfNotPresent for a fixed tag or digest)",
-    ]
-    if "@" not in spec.image:
-        skips.append(
-            "CKV_K8S_43=the image is the ServingPolicy's spec.image as its author wrote it; "
-            "write image@sha256:... there to pin it"
-        )
-    return {f"checkov.io/skip{index}": skip for index, skip in enumerate(skips, start=1)}
-
-
 def deployment(name: str, namespace: str, spec: ServingPolicySpec) -> dict[str, Any]:
     """The vLLM Deployment; rolling updates never take a serving pod away first."""
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": {**_metadata(name, namespace, name), "annotations": checkov_skips(spec)},
+        "metadata": _metadata(name, namespace, name),
         "spec": {
             "replicas": spec.replicas,
             "selector": {"matchLabels": selector_labels(name)},

@@ -1,9 +1,11 @@
 """The operator's RBAC rules: the one list the Helm chart's ClusterRole uses.
 
 Least privilege: the operator lists, watches and patches ServingPolicies (kopf's annotations and
-the status subresource), gets/creates/patches its four kinds of children (Deployment, Service,
-NetworkPolicy, ConfigMap) and lists/watches them (to recreate one deleted behind its back at
-once), lists pods to scrape their /metrics, and creates events. It never deletes: children
+the status subresource), server-side applies its four kinds of children (Deployment, Service,
+NetworkPolicy, ConfigMap: ``patch``, and ``create``, which the API server also checks when an
+apply creates the object), lists/watches them (to recreate one deleted behind its back at
+once), gets the Deployment (its rollout), lists pods to scrape their /metrics, and creates
+events. It never deletes: children
 are owned by their ServingPolicy, so Kubernetes' garbage collector removes them. kopf runs
 standalone with CRD scanning off, so it needs no peering objects and no CRD access.
 
@@ -32,12 +34,12 @@ RULES: list[dict[str, Any]] = [
     {
         "apiGroups": [""],
         "resources": ["services", "configmaps"],
-        "verbs": ["get", "list", "watch", "create", "patch"],
+        "verbs": ["list", "watch", "create", "patch"],
     },
     {
         "apiGroups": ["networking.k8s.io"],
         "resources": ["networkpolicies"],
-        "verbs": ["get", "list", "watch", "create", "patch"],
+        "verbs": ["list", "watch", "create", "patch"],
     },
     {"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]},
     {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},

@@ -6,6 +6,10 @@ children ``manifests.children`` builds for its spec, once per switch mode (the s
 the other), since the pod template differs between them. The NetworkPolicy's peers come from
 the operator's settings in the environment (``OperatorConfig.from_env``), as in the operator.
 
+The rendered Deployment carries checkov's skip annotations (``checkov_skips``): the checks that
+are wrong for any Deployment built from a ServingPolicy, each with its reason. They are added
+here, for the scan only; the operator's live objects carry no scanner annotations.
+
 Bad input (unreadable file, invalid YAML, an invalid spec, bad settings) prints one line naming
 the problem and exits 1 without writing anything.
 """
@@ -24,6 +28,31 @@ from arc_operator import manifests as mf
 from arc_operator.models import OperatorConfig, SpecError, SwitchMode, parse_spec
 
 
+def checkov_skips(image: str) -> dict[str, str]:
+    """checkov's skip annotations (``checkov.io/skipN: CHECK=reason``) for a Deployment of
+    ``image`` (the spec's): the checks that are wrong for it, each with the reason."""
+    skips = [
+        "CKV_K8S_35=vLLM reads its API key only from the environment (VLLM_API_KEY) or its "
+        "command line, which any process lister sees; the kubelet fills it from the Secret",
+        "CKV_K8S_15=the image is the ServingPolicy's spec.image; the cluster's default pull "
+        "policy applies (Always for :latest, IfNotPresent for a fixed tag or digest)",
+    ]
+    if "@" not in image:
+        skips.append(
+            "CKV_K8S_43=the image is the ServingPolicy's spec.image as its author wrote it; "
+            "write image@sha256:... there to pin it"
+        )
+    return {f"checkov.io/skip{index}": skip for index, skip in enumerate(skips, start=1)}
+
+
+def annotated(child: dict[str, Any], image: str) -> dict[str, Any]:
+    """``child`` as the scanner reads it: a Deployment with its skips, anything else as is."""
+    if child["kind"] != "Deployment":
+        return child
+    metadata = {**child["metadata"], "annotations": checkov_skips(image)}
+    return {**child, "metadata": metadata}
+
+
 def render(documents: list[Any], peers: list[dict[str, Any]] | None) -> dict[str, str]:
     """File name -> YAML of the children, for every ServingPolicy in ``documents``."""
     files: dict[str, str] = {}
@@ -38,7 +67,10 @@ def render(documents: list[Any], peers: list[dict[str, Any]] | None) -> dict[str
             raise SpecError(f"ServingPolicy {name}: {error}") from None
         for mode in SwitchMode:
             variant = spec.model_copy(update={"switch_mode": mode})
-            children = mf.children(name, namespace, variant, peers)
+            children = [
+                annotated(child, spec.image)
+                for child in mf.children(name, namespace, variant, peers)
+            ]
             files[f"{namespace}-{name}-{mode.value.lower()}.yaml"] = yaml.safe_dump_all(
                 children, sort_keys=False
             )

@@ -1,4 +1,5 @@
-"""Build a ServingPolicy's status from what the operator observed (pure functions).
+"""A ServingPolicy's status: its model (the CRD's status schema) and how it is built from
+what the operator observed (pure functions).
 
 Conditions, rolled up the way KServe (knative's ConditionSet) does: ``Ready`` is the happy
 condition and depends on ``Valid``, the Deployment's rollout, and ``PolicyApplied``, checked
@@ -18,22 +19,75 @@ that is Unknown. ``lastTransitionTime`` moves only when a condition's status cha
 
 from __future__ import annotations
 
+import enum
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from pydantic import Field
+
 from arc_operator.metrics import PodMetrics
-from arc_operator.models import (
-    Condition,
-    ConditionStatus,
-    Phase,
-    ServingPolicySpec,
-    ServingPolicyStatus,
-)
+from arc_operator.models import ServingPolicySpec
+from arc_operator.models.base import FrozenModel
 
 VALID, POLICY_APPLIED, READY = "Valid", "PolicyApplied", "Ready"
 INVALID_SPEC, APPLY_REJECTED = "InvalidSpec", "ApplyRejected"
+
+
+class ConditionStatus(enum.StrEnum):
+    """Kubernetes condition status values."""
+
+    TRUE = "True"
+    FALSE = "False"
+    UNKNOWN = "Unknown"
+
+
+class Phase(enum.StrEnum):
+    """One-word summary of a ServingPolicy; the conditions carry the detail."""
+
+    PROGRESSING = "Progressing"  # children applied; pods rolling out or switching policy
+    READY = "Ready"  # every pod ready and reporting the spec's policy
+    STOPPED = "Stopped"  # replicas is 0
+    INVALID = "Invalid"  # the spec is invalid; running pods are left as they were
+
+
+class Condition(FrozenModel):
+    """One status condition; lastTransitionTime changes only when status changes."""
+
+    type: str = Field(description="Valid, PolicyApplied or Ready.")
+    status: ConditionStatus
+    reason: str = Field(description="CamelCase reason.")
+    message: str = ""
+    last_transition_time: str = Field(
+        json_schema_extra={"format": "date-time"}, description="RFC 3339 time."
+    )
+    observed_generation: int | None = None
+
+
+class ServingPolicyStatus(FrozenModel):
+    """What the operator observed; written by every reconcile and by the status timer."""
+
+    observed_generation: int | None = Field(
+        default=None, description="metadata.generation of the spec last reconciled."
+    )
+    phase: Phase = Field(description="Summary of the conditions.")
+    replicas: int = Field(default=0, description="Pods the Deployment has.")
+    ready_replicas: int = Field(default=0, description="Pods passing their readiness probe.")
+    active_policy: str | None = Field(
+        default=None,
+        description="Policy the pods report on /metrics (comma-separated while they differ).",
+    )
+    hit_rate: float | None = Field(
+        default=None,
+        ge=0,
+        le=1,
+        description="Prefix-cache hit rate (tokens) over the last status interval.",
+    )
+    conditions: list[Condition] = Field(
+        default_factory=list,
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
+    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,8 +1,7 @@
-"""Pydantic models of the ServingPolicy spec and of the operator's own settings.
+"""The ServingPolicy spec: its pydantic models and ``parse_spec``, the operator's validation.
 
-The models are the single source of truth for the CRD schema (``arc_operator.crd`` generates
-it from them) and for the operator's validation of a spec. They are frozen and do no I/O:
-everything they need is in the spec itself, so a test can build them from plain dicts.
+The models are the source of the CRD's spec schema (``arc_operator.crd``) and hold every
+cross-field rule in a validator, so the operator, the CRD and the tests share one definition.
 """
 
 from __future__ import annotations
@@ -13,17 +12,10 @@ import math
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    ValidationError,
-    field_validator,
-    model_validator,
-)
-from pydantic.alias_generators import to_camel
+from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from arc_operator import PLURAL
+from arc_operator.models.base import FrozenModel
 from arc_serving_common.names import POLICY_NAMES
 
 # Policy names as the custom resource spells them (upper case), generated from the shared
@@ -104,16 +96,7 @@ class SpecError(ValueError):
     """A ServingPolicy spec the operator will not act on; the message names every problem."""
 
 
-class _Frozen(BaseModel):
-    model_config = ConfigDict(
-        frozen=True,
-        extra="forbid",
-        alias_generator=to_camel,
-        populate_by_name=True,
-    )
-
-
-class ModelSource(_Frozen):
+class ModelSource(FrozenModel):
     """Which model the pods serve, and under which name the OpenAI API exposes it."""
 
     name: str = Field(min_length=1, description="Hugging Face model id or a path in the image.")
@@ -129,7 +112,7 @@ class ModelSource(_Frozen):
         return self.served_name or self.name
 
 
-class CacheSpec(_Frozen):
+class CacheSpec(FrozenModel):
     """The KV-cache size: exactly one of numBlocks or gpuMemoryUtilization is set."""
 
     # The same either-or rule for the API server (the CRD schema is generated from this).
@@ -162,7 +145,7 @@ class CacheSpec(_Frozen):
         return self
 
 
-class ResourcesSpec(_Frozen):
+class ResourcesSpec(FrozenModel):
     """What each vLLM pod asks the scheduler for."""
 
     gpus: int = Field(default=1, ge=0, description="NVIDIA GPUs per pod (nvidia.com/gpu).")
@@ -189,7 +172,7 @@ class ResourcesSpec(_Frozen):
     )
 
 
-class EnvVar(_Frozen):
+class EnvVar(FrozenModel):
     """An environment variable for the vLLM container (Kubernetes EnvVar shape)."""
 
     name: str = Field(min_length=1, description="Variable name.")
@@ -236,7 +219,7 @@ ENV_SOURCES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
 }
 
 
-class SecretKeyRef(_Frozen):
+class SecretKeyRef(FrozenModel):
     """A key of a Secret in the ServingPolicy's namespace.
 
     The operator never reads the Secret (it has no RBAC on Secrets): the pod's env names it
@@ -268,7 +251,7 @@ API_KEY_CHOICE = (
 )
 
 
-class ServingPolicySpec(_Frozen):
+class ServingPolicySpec(FrozenModel):
     """The desired state of one vLLM serving deployment and its eviction policy.
 
     Invariants (checked here, so every consumer sees them): exactly one cache size;
@@ -372,61 +355,6 @@ class ServingPolicySpec(_Frozen):
         return self.policy.value.lower()
 
 
-class ConditionStatus(enum.StrEnum):
-    """Kubernetes condition status values."""
-
-    TRUE = "True"
-    FALSE = "False"
-    UNKNOWN = "Unknown"
-
-
-class Phase(enum.StrEnum):
-    """One-word summary of a ServingPolicy; the conditions carry the detail."""
-
-    PROGRESSING = "Progressing"  # children applied; pods rolling out or switching policy
-    READY = "Ready"  # every pod ready and reporting the spec's policy
-    STOPPED = "Stopped"  # replicas is 0
-    INVALID = "Invalid"  # the spec is invalid; running pods are left as they were
-
-
-class Condition(_Frozen):
-    """One status condition; lastTransitionTime changes only when status changes."""
-
-    type: str = Field(description="Valid, PolicyApplied or Ready.")
-    status: ConditionStatus
-    reason: str = Field(description="CamelCase reason.")
-    message: str = ""
-    last_transition_time: str = Field(
-        json_schema_extra={"format": "date-time"}, description="RFC 3339 time."
-    )
-    observed_generation: int | None = None
-
-
-class ServingPolicyStatus(_Frozen):
-    """What the operator observed; written by every reconcile and by the status timer."""
-
-    observed_generation: int | None = Field(
-        default=None, description="metadata.generation of the spec last reconciled."
-    )
-    phase: Phase = Field(description="Summary of the conditions.")
-    replicas: int = Field(default=0, description="Pods the Deployment has.")
-    ready_replicas: int = Field(default=0, description="Pods passing their readiness probe.")
-    active_policy: str | None = Field(
-        default=None,
-        description="Policy the pods report on /metrics (comma-separated while they differ).",
-    )
-    hit_rate: float | None = Field(
-        default=None,
-        ge=0,
-        le=1,
-        description="Prefix-cache hit rate (tokens) over the last status interval.",
-    )
-    conditions: list[Condition] = Field(
-        default_factory=list,
-        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
-    )
-
-
 def _describe(error: ValidationError) -> str:
     """One line per problem, each naming the spec field by its camelCase path."""
     lines = []
@@ -488,102 +416,3 @@ def parse_spec(spec: Mapping[str, Any]) -> ServingPolicySpec:
         return ServingPolicySpec.model_validate_json(text, strict=True)
     except ValidationError as error:
         raise SpecError(_describe(error)) from None
-
-
-class LabelSelectorRequirement(_Frozen):
-    """One matchExpressions entry of a Kubernetes LabelSelector."""
-
-    key: str = Field(min_length=1)
-    operator: str = Field(pattern=r"^(In|NotIn|Exists|DoesNotExist)$")
-    values: list[str] | None = None
-
-
-class LabelSelector(_Frozen):
-    """A Kubernetes LabelSelector (empty: everything)."""
-
-    match_labels: dict[str, str] | None = None
-    match_expressions: list[LabelSelectorRequirement] | None = None
-
-
-class IPBlock(_Frozen):
-    """A Kubernetes NetworkPolicy IPBlock."""
-
-    cidr: str = Field(min_length=1)
-    except_: list[str] | None = Field(default=None, alias="except")
-
-
-class NetworkPolicyPeer(_Frozen):
-    """A Kubernetes NetworkPolicyPeer: selectors, or an ipBlock alone (as the API requires)."""
-
-    pod_selector: LabelSelector | None = None
-    namespace_selector: LabelSelector | None = None
-    ip_block: IPBlock | None = None
-
-    @model_validator(mode="after")
-    def _one_kind(self) -> NetworkPolicyPeer:
-        selectors = self.pod_selector is not None or self.namespace_selector is not None
-        if selectors == (self.ip_block is not None):
-            raise ValueError("a peer needs podSelector and/or namespaceSelector, or ipBlock alone")
-        return self
-
-    def manifest(self) -> dict[str, Any]:
-        """The peer as a NetworkPolicy manifest spells it."""
-        return self.model_dump(by_alias=True, exclude_none=True)
-
-
-class OperatorConfig(_Frozen):
-    """The operator's own settings, read once from the environment at start-up.
-
-    ``serving_peers`` (ARC_OPERATOR_SERVING_PEERS, a JSON list of NetworkPolicyPeer objects)
-    are the only clients allowed to reach the serving pods' port 8000 through each
-    ServingPolicy's NetworkPolicy child; none (the default) lets nothing in (kubelet probes are
-    not subject to NetworkPolicy). ``network_policy`` false (ARC_OPERATOR_NETWORK_POLICY) makes
-    no NetworkPolicy at all, for clusters whose own policies govern the serving pods.
-    """
-
-    env_names: ClassVar[dict[str, str]] = {
-        "metrics_port": "ARC_OPERATOR_METRICS_PORT",
-        "status_interval": "ARC_OPERATOR_STATUS_INTERVAL",
-        "scrape_timeout": "ARC_OPERATOR_SCRAPE_TIMEOUT",
-        "network_policy": "ARC_OPERATOR_NETWORK_POLICY",
-        "serving_peers": "ARC_OPERATOR_SERVING_PEERS",
-    }
-
-    metrics_port: int = Field(default=8000, ge=1, le=65535)
-    status_interval: float = Field(default=30.0, gt=0)
-    scrape_timeout: float = Field(default=5.0, gt=0)
-    network_policy: bool = True
-    serving_peers: tuple[NetworkPolicyPeer, ...] = ()
-
-    @field_validator("serving_peers", mode="before")
-    @classmethod
-    def _peers_json(cls, value: Any) -> Any:
-        # The environment holds text: a JSON list.
-        if isinstance(value, str):
-            try:
-                return json.loads(value)
-            except json.JSONDecodeError as error:
-                raise ValueError(
-                    f"not a JSON list of NetworkPolicyPeer objects ({error})"
-                ) from None
-        return value
-
-    def peers(self) -> list[dict[str, Any]] | None:
-        """The serving pods' allowed peers as manifests; None when no NetworkPolicy is made."""
-        return [peer.manifest() for peer in self.serving_peers] if self.network_policy else None
-
-    @classmethod
-    def from_env(cls, environ: Mapping[str, str]) -> OperatorConfig:
-        """Read the settings; raise SpecError naming the variable for a bad value."""
-        values = {field: environ[var] for field, var in cls.env_names.items() if environ.get(var)}
-        try:
-            return cls.model_validate(values)
-        except ValidationError as error:
-            problems = [
-                f"{cls.env_names[str(item['loc'][0])]}={values[str(item['loc'][0])]!r}: "
-                + "".join(f"[{step}]" for step in item["loc"][1:])
-                + (": " if len(item["loc"]) > 1 else "")
-                + item["msg"]
-                for item in error.errors()
-            ]
-            raise SpecError("invalid operator settings: " + "; ".join(problems)) from None

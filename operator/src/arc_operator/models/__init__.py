@@ -1,0 +1,37 @@
+"""The operator's pydantic models, by concern; this package's names are what the rest imports.
+
+- ``spec``: the ServingPolicy spec, its cross-field rules and ``parse_spec``;
+- ``peers``: the NetworkPolicy peers the serving pods admit;
+- ``settings``: the operator's own settings (``OperatorConfig``, from the environment);
+- ``base``: the frozen, camelCase base every model shares.
+
+The status model lives with the code that builds it, in ``arc_operator.status``. The models
+are frozen and do no I/O: everything they need is in the data they validate, so a test can
+build them from plain dicts, and ``arc_operator.crd`` generates the CRD's schema from them.
+"""
+
+from __future__ import annotations
+
+from arc_operator.models.settings import OperatorConfig
+from arc_operator.models.spec import (
+    API_KEY_ENV,
+    NO_TELEMETRY_ENV,
+    OWNED_ENV,
+    WRITABLE_DIR_ENV,
+    ServingPolicySpec,
+    SpecError,
+    SwitchMode,
+    parse_spec,
+)
+
+__all__ = [
+    "API_KEY_ENV",
+    "NO_TELEMETRY_ENV",
+    "OWNED_ENV",
+    "WRITABLE_DIR_ENV",
+    "OperatorConfig",
+    "ServingPolicySpec",
+    "SpecError",
+    "SwitchMode",
+    "parse_spec",
+]
