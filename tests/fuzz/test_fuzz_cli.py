@@ -334,3 +334,36 @@ def test_evaluate_refuses_an_output_that_is_a_file(tmp_path: Path) -> None:
     code, _, err = run(["evaluate", "--out", str(target), "--seeds", "0", "--mode", "sequential"])
     assert code == 2 and "--out" in err and "Traceback" not in err, err
     assert target.read_text() == "x"
+
+
+fleet_options = st.tuples(
+    option("--replicas", ["1", "2", "3"], ["0", "-1", "abc", "", "1.5", "5000", "9" * 30]),
+    option(
+        "--router",
+        ["kv_aware", "round_robin,cache_aware", "RANDOM", "consistent_hash"],
+        ["", ",", "nearest", "kv_aware,,", "kv_aware;random"],
+    ),
+    option("--seed", ["0", "7"], ["abc", "1.5", ""]),
+    st.sampled_from(["lru", "arc,lru", "lru,belady"]),
+    st.sampled_from([[], [("--sequential", None, False)], [("--json", None, False)]]),
+)
+
+
+@given(options=fleet_options, order=st.randoms(use_true_random=False))
+@fuzz_settings(400)
+def test_simulate_fleet_options_exit_2_when_bad_and_change_nothing(
+    root: Path, options: tuple[Any, ...], order: Any
+) -> None:
+    count("cli: simulate fleet argv")
+    replicas, router, seed, policies, mode = options
+    folder = make_case_folder(root)
+    groups = [replicas, router, seed, mode, [("--policy", policies, False)]]
+    order.shuffle(groups)
+    argv, bad = flatten(groups)
+    # A router needs a replica count and a replica count needs routers; Belady cannot
+    # see a fleet's per-replica future.
+    bad = bad or bool(replicas) != bool(router)
+    if replicas and not replicas[0][2] and int(replicas[0][1]) > 1 and "belady" in policies:
+        bad = True
+    check(["simulate", str(folder / "valid.jsonl"), "--capacity", "2", *argv], bad, folder)
+    shutil.rmtree(folder)

@@ -1,7 +1,10 @@
-"""The ``arc-evictor`` command: simulate traces and generate workloads.
+"""The ``arc-evictor`` command: simulate traces (on one replica or a routed fleet),
+generate workloads, evaluate the policies and study scaling.
 
     arc-evictor simulate TRACE --policy lru,dbl,arc --capacity 1000,10% [--sequential]
-                         [--format auto] [--json] [--plot FILE.png]
+                         [--replicas N --router kv_aware,...] [--format auto] [--json]
+                         [--plot FILE.png]
+    arc-evictor scale [--out out/scale] [--replicas 1,2,4,8,16,32] [--router ...] [--trace ...]
     arc-evictor generate docqa|conversation --out FILE [--form bailian] [--seed 0] ...
     arc-evictor evaluate [--out out/evaluate] [--seeds 0,1,2] [--capacity 5,10,20,40] [--check]
 
@@ -23,6 +26,7 @@ from typing import NoReturn
 
 from arc_evictor.policies.base import PolicyError
 from arc_serving_common.traces import FORMATS, TraceError, load_trace
+from arc_simulator.fleet import check_fleet, fleet_sweep
 from arc_simulator.generate import (
     ConversationParams,
     DocQAParams,
@@ -31,6 +35,8 @@ from arc_simulator.generate import (
     write_generated,
 )
 from arc_simulator.report import plot, table, to_json
+from arc_simulator.routing import RoutingError, make_router, router_names
+from arc_simulator.scaling import add_scale_arguments, run_scale
 from arc_simulator.simulate import CostModel, build_policy, simulator_policy_names, sweep
 
 
@@ -54,6 +60,17 @@ def parse_policies(text: str) -> list[str]:
     for name in names:
         build_policy(name, 1, [])
     return names
+
+
+def parse_routers(text: str, replicas: int) -> list[str]:
+    names = [name.strip().lower() for name in text.split(",")]
+    if not all(names):
+        raise UsageError(
+            f"--router {text!r}: an empty name; valid routers: {', '.join(router_names())}"
+        )
+    for name in names:
+        make_router(name, replicas)
+    return list(dict.fromkeys(names))
 
 
 def parse_capacities(text: str, distinct_blocks: int) -> list[int]:
@@ -106,18 +123,43 @@ def _simulate(args: argparse.Namespace) -> int:
     except (ValueError, ZeroDivisionError) as error:
         raise UsageError(str(error)) from None
     parse_capacities(args.capacity, 1)  # the syntax, before the trace is read
+    routers: list[str] = []
+    if args.router is not None and args.replicas is None:
+        raise UsageError("--router needs --replicas N (how many replicas to route over)")
+    if args.replicas is not None:
+        if args.router is None:
+            raise UsageError(
+                f"--replicas needs --router, one or more of: {', '.join(router_names())}"
+            )
+        routers = parse_routers(args.router, args.replicas)
+        for name in policies:
+            check_fleet(name, args.replicas)
     if args.plot and not _writable_folder(args.plot):
         raise UsageError(f"--plot {args.plot}: cannot write into {args.plot.parent}")
     requests = load_trace(args.trace, args.format, block_tokens=args.block_tokens)
     distinct = len({key for request in requests for key in request.keys})
     capacities = parse_capacities(args.capacity, distinct)
-    results = sweep(requests, policies, capacities, sequential=args.sequential, cost=cost)
+    if routers:
+        results = fleet_sweep(
+            requests,
+            policies,
+            capacities,
+            args.replicas,
+            routers,
+            sequential=args.sequential,
+            cost=cost,
+            seed=args.seed,
+        )
+    else:
+        results = sweep(requests, policies, capacities, sequential=args.sequential, cost=cost)
     if args.json:
         print(to_json(results))
     else:
         mode = "sequential" if args.sequential else "overlapping"
+        fleet = f", {args.replicas} replicas (capacity per replica)" if routers else ""
         print(
-            f"{args.trace}: {len(requests):,} requests, {distinct:,} distinct blocks, {mode} mode"
+            f"{args.trace}: {len(requests):,} requests, {distinct:,} distinct blocks, "
+            f"{mode} mode{fleet}"
         )
         print(table(results))
     if args.plot:
@@ -195,6 +237,17 @@ def _evaluate(args: argparse.Namespace) -> int:
     return 1 if misses and args.check else 0
 
 
+def _scale(args: argparse.Namespace) -> int:
+    if not _writable_folder(args.out / "scale.txt"):
+        raise UsageError(f"--out {args.out}: not a folder this user can write into")
+    try:
+        return run_scale(args, lambda line: print(line, file=sys.stderr))
+    except ValueError as error:
+        if isinstance(error, PolicyError | TraceError | RoutingError):
+            raise
+        raise UsageError(str(error)) from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="arc-evictor", description="Prefix-cache eviction policies: simulate and generate."
@@ -220,6 +273,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     simulate.add_argument("--json", action="store_true", help="print JSON rows instead of a table")
     simulate.add_argument("--plot", type=Path, help="write hit rate against capacity to FILE.png")
+    fleet = simulate.add_argument_group("fleet (several replicas behind a router; see routing)")
+    fleet.add_argument(
+        "--replicas", type=int, help="replicas, each with a cache of --capacity blocks"
+    )
+    fleet.add_argument(
+        "--router", help=f"comma-separated routers, from: {', '.join(router_names())}"
+    )
+    fleet.add_argument("--seed", type=int, default=0, help="seed of the random router")
     cost = simulate.add_argument_group("cost model (overlapping mode; see CostModel)")
     cost.add_argument("--prefill-tokens-per-second", type=float, default=20_000.0)
     cost.add_argument("--decode-seconds-per-token", type=float, default=0.02)
@@ -243,7 +304,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.set_defaults(run=_generate)
 
     evaluate = commands.add_parser(
-        "evaluate", help="issue 7's evaluation: every policy and Belady on the evaluation traces"
+        "evaluate", help="the evaluation: every policy and Belady on the evaluation traces"
     )
     evaluate.add_argument("--out", type=Path, default=Path("out/evaluate"), help="output folder")
     evaluate.add_argument("--seeds", default="0,1,2", help="generator seeds, comma-separated")
@@ -258,6 +319,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--check", action="store_true", help="exit with status 1 when a target is missed"
     )
     evaluate.set_defaults(run=_evaluate)
+
+    scale = commands.add_parser(
+        "scale", help="the scaling study: routers and policies over 1 to 32 replicas"
+    )
+    add_scale_arguments(scale)
+    scale.set_defaults(run=_scale)
     return parser
 
 
@@ -266,7 +333,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.run(args)
-    except (UsageError, PolicyError, TraceError) as error:
+    except (UsageError, PolicyError, TraceError, RoutingError) as error:
         print(f"arc-evictor: error: {error}", file=sys.stderr)
         return 2
 

@@ -13,9 +13,19 @@ def _ms(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds * 1000:.0f}"
 
 
+def label(result: SimulationResult) -> str:
+    """The policy, and the router when a fleet ran it."""
+    return result.policy if result.router is None else f"{result.router} {result.policy}"
+
+
 def table(results: Sequence[SimulationResult]) -> str:
-    """One row per (capacity, policy), aligned for a terminal."""
+    """One row per (capacity, router, policy), aligned for a terminal.
+
+    A fleet adds its replica count and the imbalance of requests and of prefill
+    tokens (the busiest replica's share times the replica count; 1.00 is even).
+    """
     overlapping = any(result.ttft_p50_s is not None for result in results)
+    fleet = any(result.router is not None for result in results)
     header = [
         "capacity",
         "policy",
@@ -26,8 +36,12 @@ def table(results: Sequence[SimulationResult]) -> str:
         "ghost hits",
         "final p",
     ]
+    if fleet:
+        header[1:1] = ["replicas", "router"]
+        header += ["rejected", "req imbal", "prefill imbal"]
     if overlapping:
         header += ["TTFT p50 ms", "p90 ms", "p99 ms"]
+    text_columns = {header.index("policy")} | ({header.index("router")} if fleet else set())
     rows = [header]
     for result in results:
         row = [
@@ -40,6 +54,13 @@ def table(results: Sequence[SimulationResult]) -> str:
             f"{sum(result.ghost_hits.values()):,}" if result.ghost_hits else "-",
             "-" if result.final_p is None else f"{result.final_p:.1f}",
         ]
+        if fleet:
+            row[1:1] = [str(result.replicas), result.router or "-"]
+            row += [
+                f"{result.rejected_requests:,}",
+                f"{result.request_imbalance:.2f}",
+                f"{result.prefill_imbalance:.2f}",
+            ]
         if overlapping:
             row += [_ms(result.ttft_p50_s), _ms(result.ttft_p90_s), _ms(result.ttft_p99_s)]
         rows.append(row)
@@ -47,7 +68,8 @@ def table(results: Sequence[SimulationResult]) -> str:
     lines = []
     for number, row in enumerate(rows):
         cells = [
-            cell.ljust(widths[i]) if i == 1 else cell.rjust(widths[i]) for i, cell in enumerate(row)
+            cell.ljust(widths[i]) if i in text_columns else cell.rjust(widths[i])
+            for i, cell in enumerate(row)
         ]
         lines.append("  ".join(cells).rstrip())
         if number == 0:
@@ -56,23 +78,25 @@ def table(results: Sequence[SimulationResult]) -> str:
 
 
 def to_json(results: Sequence[SimulationResult]) -> str:
-    """A JSON list with one object per result (``policy``, ``capacity``, rates, ...)."""
+    """A JSON list with one object per result (``policy``, ``capacity``, rates, ...;
+    ``replicas``, ``router`` and per-replica load shares for a fleet)."""
     return json.dumps([result.as_dict() for result in results], indent=2)
 
 
 def plot(results: Sequence[SimulationResult], path: str | Path, title: str) -> Path:
-    """Block hit rate against capacity, one line per policy, written to ``path``."""
+    """Block hit rate against capacity, one line per policy (and router), written to ``path``."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     figure, axes = plt.subplots(figsize=(7, 4.5))
-    for name in dict.fromkeys(result.policy for result in results):
-        points = sorted((r.capacity, r.block_hit_rate) for r in results if r.policy == name)
+    for name in dict.fromkeys(label(result) for result in results):
+        points = sorted((r.capacity, r.block_hit_rate) for r in results if label(r) == name)
         style = {"linestyle": "--", "color": "grey"} if name == "belady" else {}
         axes.plot([c for c, _ in points], [h for _, h in points], marker="o", label=name, **style)
-    axes.set_xlabel("cache capacity (blocks)")
+    fleet = any(result.router is not None for result in results)
+    axes.set_xlabel("cache capacity per replica (blocks)" if fleet else "cache capacity (blocks)")
     axes.set_ylabel("block hit rate (prefix semantics)")
     axes.set_title(title)
     axes.set_ylim(bottom=0)

@@ -3,7 +3,7 @@
 Two modes, both first-come first-served, so every policy (Belady included) sees
 the requests' blocks in file order:
 
-- Sequential (DESIGN.md's reference for cross-checks): one request at a time.
+- Sequential (the reference for cross-checks): one request at a time.
   Count its hits (the resident prefix), take its blocks (``BlockPool.take``:
   cached blocks first, then the misses, each pass tail first), release them
   tail first.
@@ -85,6 +85,11 @@ class SimulationResult:
     ttft_p90_s: float | None = None
     ttft_p99_s: float | None = None
     seconds: float = 0.0
+    # A fleet of replicas behind a router (``arc_simulator.fleet``); one replica otherwise.
+    replicas: int = 1
+    router: str | None = None
+    request_shares: list[float] = field(default_factory=lambda: [1.0])
+    prefill_token_shares: list[float] = field(default_factory=lambda: [1.0])
 
     @property
     def block_hit_rate(self) -> float:
@@ -96,10 +101,22 @@ class SimulationResult:
         """Prompt tokens served from cache over prompt tokens; 0.0 for an empty trace."""
         return self.hit_tokens / self.input_tokens if self.input_tokens else 0.0
 
+    @property
+    def request_imbalance(self) -> float:
+        """The busiest replica's share of requests times the replica count; 1.0 is even."""
+        return max(self.request_shares) * self.replicas
+
+    @property
+    def prefill_imbalance(self) -> float:
+        """The same for prefill (uncached prompt) tokens, the compute a replica spends."""
+        return max(self.prefill_token_shares) * self.replicas
+
     def as_dict(self) -> dict[str, Any]:
         row = asdict(self)
         row["block_hit_rate"] = self.block_hit_rate
         row["token_hit_rate"] = self.token_hit_rate
+        row["request_imbalance"] = self.request_imbalance
+        row["prefill_imbalance"] = self.prefill_imbalance
         return row
 
 
@@ -121,7 +138,8 @@ def build_policy(name: str, capacity: int, requests: Sequence[TraceRequest]) -> 
         ) from None
 
 
-def _count(result: SimulationResult, request: TraceRequest, hits: int) -> None:
+def count_served(result: SimulationResult, request: TraceRequest, hits: int) -> None:
+    """Add a served request and its prefix hits to ``result``."""
     result.requests += 1
     result.block_queries += request.num_blocks
     result.block_hits += hits
@@ -129,11 +147,14 @@ def _count(result: SimulationResult, request: TraceRequest, hits: int) -> None:
     result.hit_tokens += hits * request.block_tokens
 
 
+def policy_statistics(policy: EvictionPolicy) -> tuple[dict[str, int], float | None]:
+    """The policy's ghost hits per list and its adaptive target, for a result."""
+    return dict(policy.counters.ghost_hits), policy.target
+
+
 def _finish(result: SimulationResult, pool: BlockPool, started: float) -> SimulationResult:
-    policy = pool.policy
     result.evictions = pool.evictions
-    result.ghost_hits = dict(policy.counters.ghost_hits)
-    result.final_p = policy.target
+    result.ghost_hits, result.final_p = policy_statistics(pool.policy)
     result.seconds = time.perf_counter() - started
     return result
 
@@ -141,24 +162,25 @@ def _finish(result: SimulationResult, pool: BlockPool, started: float) -> Simula
 def simulate_sequential(
     requests: Sequence[TraceRequest], policy: EvictionPolicy, *, verify: bool = False
 ) -> SimulationResult:
-    """DESIGN.md's sequential mode; ``verify`` checks every invariant after each request."""
+    """The sequential mode; ``verify`` checks every invariant after each request."""
     pool = BlockPool(policy)
     result = SimulationResult(policy.describe(), policy.capacity, "sequential")
     started = time.perf_counter()
     for request in requests:
         keys = request.keys
         if len(keys) > pool.capacity:
-            _reject(result, request, policy)
+            count_rejected(result, request, policy)
             continue
         hits = pool.take(keys, request.max_hit_blocks)
         pool.give_back(keys)
-        _count(result, request, hits)
+        count_served(result, request, hits)
         if verify:
             pool.verify()
     return _finish(result, pool, started)
 
 
-def _reject(result: SimulationResult, request: TraceRequest, policy: EvictionPolicy) -> None:
+def count_rejected(result: SimulationResult, request: TraceRequest, policy: EvictionPolicy) -> None:
+    """Add a request too large for the pool: its blocks are queries that miss."""
     result.rejected_requests += 1
     result.requests += 1
     result.block_queries += request.num_blocks
@@ -167,7 +189,7 @@ def _reject(result: SimulationResult, request: TraceRequest, policy: EvictionPol
         policy.skip(request.keys)  # the oracle counts uses per find; this request uses none
 
 
-def _percentile(sorted_values: Sequence[float], fraction: float) -> float | None:
+def percentile(sorted_values: Sequence[float], fraction: float) -> float | None:
     """Nearest-rank percentile of already sorted values."""
     if not sorted_values:
         return None
@@ -203,7 +225,7 @@ def simulate_overlapping(
     while next_admit < len(requests):
         request = requests[next_admit]
         if len(request.keys) > pool.capacity:
-            _reject(result, request, policy)
+            count_rejected(result, request, policy)
             next_admit += 1
             continue
         now = max(now, request.timestamp_s)
@@ -215,7 +237,7 @@ def simulate_overlapping(
             pool.give_back(done.keys)
             running_tokens -= done.input_length + done.output_length
         hits = pool.take(request.keys, request.max_hit_blocks)
-        _count(result, request, hits)
+        count_served(result, request, hits)
         cached = hits * request.block_tokens
         prefill_start = max(now, prefill_free_at)
         prefill_end = (
@@ -235,9 +257,9 @@ def simulate_overlapping(
         _finish_time, index = heapq.heappop(running)
         pool.give_back(requests[index].keys)
     ttfts.sort()
-    result.ttft_p50_s = _percentile(ttfts, 0.50)
-    result.ttft_p90_s = _percentile(ttfts, 0.90)
-    result.ttft_p99_s = _percentile(ttfts, 0.99)
+    result.ttft_p50_s = percentile(ttfts, 0.50)
+    result.ttft_p90_s = percentile(ttfts, 0.90)
+    result.ttft_p99_s = percentile(ttfts, 0.99)
     return _finish(result, pool, started)
 
 

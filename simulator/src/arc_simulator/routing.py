@@ -1,0 +1,300 @@
+"""Request routers for a fleet of vLLM replicas, modelled on the vLLM router.
+
+Each router picks the replica for one request from what a router in front of the
+fleet can know at that moment, handed to it as a ``FleetView``: the simulated
+clock, each replica's load (requests routed to it and not yet finished, the
+router's ``Worker::load``) and, for ``kv_aware`` only, each replica's cached
+prefix as vLLM's KV-cache events report it. Routers never see later requests.
+
+The rules follow the vLLM router's policies (repository vllm-project/router,
+``src/policies/*.rs``; defaults from its ``vllm-router`` command line, ``src/main.rs``):
+
+- ``random``: a uniform draw from a ``random.Random`` seeded with ``seed``.
+- ``round_robin``: replicas 0, 1, ..., N-1, 0, ... in request order.
+- ``consistent_hash`` (``consistent_hash.rs``): a ring of 160 virtual nodes per
+  replica (``replica-<i>:<v>``); a request goes to the first virtual node at or
+  after its session key's hash, wrapping around. The router hashes with FurcHash
+  and MurmurHash64A; this model hashes with BLAKE2b (64 bits), so the rule is the
+  same but individual assignments differ. The session key stands in for the
+  router's ``X-Session-ID`` header: in Qwen-Bailian traces the conversation's root
+  chat id (following ``parent_chat_id``); in Mooncake traces, which carry no
+  session, the first hash id, the hash of the prompt's first 512 tokens. Requests
+  that share it share a system prompt or document opening, which is the prefix a
+  replica can reuse, so the key keeps reusable prefixes together the way a
+  session id keeps a conversation together.
+- ``cache_aware`` (``cache_aware.rs``, the approximate policy): the fleet is
+  imbalanced when ``max_load - min_load > balance_abs_threshold`` and
+  ``max_load > min_load * balance_rel_threshold``; then the request goes to the
+  least-loaded replica. Otherwise the router matches the request against its
+  own prefix tree of the requests it routed (not the replicas' caches): if the
+  matched share of the prompt exceeds ``cache_threshold`` the request goes to
+  the replica that owns the deepest matched node, else to the least-loaded one.
+  Either way the chosen replica is recorded in the tree. Every
+  ``eviction_interval_s`` of trace time, each replica's part of the tree is cut
+  back to ``max_tree_tokens``, least recently used leaves first. The router's
+  tree holds characters; this model holds blocks and counts their tokens, with
+  the router's 2**26-character cap read as 2**24 tokens (about four characters
+  a token). At a node several replicas share, the router takes whichever its map
+  yields first; this model takes the one that reached it last.
+- ``kv_aware`` (``kv_aware.rs``): the router's block index, fed by each
+  replica's ``BlockStored``/``BlockRemoved`` events, gives every replica's
+  longest cached prefix of the request; the request goes to the replica with the
+  longest one, or, when no replica holds even its first block (or it has no full
+  block), to the least-loaded replica. Like the router's speculative entries, the
+  blocks of requests routed to a replica but not yet admitted there count as
+  cached on it. Load enters only through that fallback, as in the router.
+
+Ties go where the router's Rust iterators send them: ``min_by_key`` (least load)
+takes the lowest replica index, ``max_by_key`` (longest prefix) the highest.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from bisect import bisect_left
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from arc_serving_common.traces import TraceRequest
+
+MAX_REPLICAS = 1024  # far above any study here; a typo like 100000 is an error, not hours
+
+
+class RoutingError(ValueError):
+    """A router name or fleet size that cannot be used."""
+
+
+class FleetView(Protocol):
+    """What a router may know when it places a request."""
+
+    @property
+    def now(self) -> float:
+        """The request's arrival time, seconds."""
+        ...
+
+    @property
+    def loads(self) -> Sequence[int]:
+        """Requests routed to each replica and not yet finished."""
+        ...
+
+    def cached_prefix(self, replica: int, keys: Sequence[int]) -> int:
+        """Blocks of ``keys``' prefix the replica's KV events report as cached."""
+        ...
+
+
+class Router(Protocol):
+    name: str
+
+    def route(self, request: TraceRequest, view: FleetView) -> int:
+        """The replica (0 to N-1) that serves ``request``."""
+        ...
+
+
+def _least_loaded(loads: Sequence[int]) -> int:
+    """Rust's ``min_by_key``: the first replica with the smallest load."""
+    return min(range(len(loads)), key=loads.__getitem__)
+
+
+class RandomRouter:
+    """A seeded uniform draw per request."""
+
+    name = "random"
+
+    def __init__(self, replicas: int, seed: int = 0) -> None:
+        self._replicas = replicas
+        self._rng = random.Random(seed)
+
+    def route(self, request: TraceRequest, view: FleetView) -> int:
+        return self._rng.randrange(self._replicas)
+
+
+class RoundRobinRouter:
+    """Replicas in turn, in request order."""
+
+    name = "round_robin"
+
+    def __init__(self, replicas: int, seed: int = 0) -> None:
+        self._replicas = replicas
+        self._next = 0
+
+    def route(self, request: TraceRequest, view: FleetView) -> int:
+        chosen = self._next
+        self._next = (chosen + 1) % self._replicas
+        return chosen
+
+
+def _hash64(text: str) -> int:
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
+
+
+class ConsistentHashRouter:
+    """A hash ring over session keys.
+
+    Invariant: ``_points`` is sorted and ``_owners[i]`` owns ``_points[i]``.
+    ``_roots`` maps every chat id seen to its conversation's root chat id.
+    """
+
+    name = "consistent_hash"
+    VIRTUAL_NODES = 160  # the router's VIRTUAL_NODES_PER_WORKER
+
+    def __init__(self, replicas: int, seed: int = 0) -> None:
+        ring = sorted(
+            (_hash64(f"replica-{replica}:{node}"), replica)
+            for replica in range(replicas)
+            for node in range(self.VIRTUAL_NODES)
+        )
+        self._points = [point for point, _ in ring]
+        self._owners = [owner for _, owner in ring]
+        self._roots: dict[int, int] = {}
+
+    def session_key(self, request: TraceRequest) -> str:
+        """Root chat id (Qwen-Bailian), else the first hash id (Mooncake)."""
+        if request.chat_id is not None:
+            parent = request.parent_id
+            root = request.chat_id if parent is None else self._roots.get(parent, parent)
+            self._roots[request.chat_id] = root
+            return f"chat:{root}"
+        return f"prefix:{request.hash_ids[0]}"
+
+    def route(self, request: TraceRequest, view: FleetView) -> int:
+        position = bisect_left(self._points, _hash64(self.session_key(request)))
+        return self._owners[position % len(self._points)]
+
+
+@dataclass(frozen=True, slots=True)
+class CacheAwareConfig:
+    """The ``vllm-router`` command's defaults for ``--policy cache_aware``."""
+
+    cache_threshold: float = 0.3
+    balance_abs_threshold: int = 64
+    balance_rel_threshold: float = 1.5
+    eviction_interval_s: float = 120.0
+    max_tree_tokens: int = 2**26 // 4
+
+
+class CacheAwareRouter:
+    """The router's approximate prefix tree, over block keys.
+
+    A node is a block key (a chain key names its whole prefix, so its parent is
+    the previous key of any request holding it). Invariants: ``_owners[key]``
+    maps each replica that was sent a request through ``key`` to the last time it
+    was; ``_tokens[r]`` is the tokens of the nodes replica ``r`` owns.
+    """
+
+    name = "cache_aware"
+
+    def __init__(
+        self, replicas: int, seed: int = 0, config: CacheAwareConfig | None = None
+    ) -> None:
+        self.config = config or CacheAwareConfig()
+        self._owners: dict[int, dict[int, float]] = {}
+        self._depth: dict[int, int] = {}
+        self._block_tokens: dict[int, int] = {}
+        self._tokens = [0] * replicas
+        self._next_eviction = self.config.eviction_interval_s
+
+    def route(self, request: TraceRequest, view: FleetView) -> int:
+        config = self.config
+        now = view.now
+        while now >= self._next_eviction:
+            self._evict()
+            self._next_eviction += config.eviction_interval_s
+        loads = view.loads
+        low, high = min(loads), max(loads)
+        keys = request.keys
+        if high - low > config.balance_abs_threshold and high > low * config.balance_rel_threshold:
+            chosen = _least_loaded(loads)
+        else:
+            matched = 0
+            while matched < len(keys) and keys[matched] in self._owners:
+                matched += 1
+            rate = matched / len(keys) if keys else 0.0
+            if rate > config.cache_threshold:
+                owners = self._owners[keys[matched - 1]]
+                chosen = max(owners, key=owners.__getitem__)
+            else:
+                chosen = _least_loaded(loads)
+        self._insert(keys, request.block_tokens, chosen, now)
+        return chosen
+
+    def _insert(self, keys: Sequence[int], block_tokens: int, replica: int, now: float) -> None:
+        for depth, key in enumerate(keys):
+            owners = self._owners.setdefault(key, {})
+            if replica not in owners:
+                self._tokens[replica] += block_tokens
+                self._depth[key] = depth
+                self._block_tokens[key] = block_tokens
+            owners[replica] = now
+
+    def _evict(self) -> None:
+        limit = self.config.max_tree_tokens
+        for replica, size in enumerate(self._tokens):
+            if size <= limit:
+                continue
+            # Oldest first, deepest first among equals: a leaf goes before its parent,
+            # whose last use is never older than its children's.
+            owned = sorted(
+                (owners[replica], -self._depth[key], key)
+                for key, owners in self._owners.items()
+                if replica in owners
+            )
+            for _, _, key in owned:
+                if self._tokens[replica] <= limit:
+                    break
+                owners = self._owners[key]
+                del owners[replica]
+                self._tokens[replica] -= self._block_tokens[key]
+                if not owners:
+                    del self._owners[key]
+
+
+class KvAwareRouter:
+    """Longest cached prefix from the replicas' KV events, least load when none."""
+
+    name = "kv_aware"
+
+    def __init__(self, replicas: int, seed: int = 0) -> None:
+        self._replicas = replicas
+
+    def route(self, request: TraceRequest, view: FleetView) -> int:
+        keys = request.keys
+        if self._replicas == 1:
+            return 0  # the router skips scoring for a single worker
+        if not keys:
+            return _least_loaded(view.loads)
+        best, best_score = 0, -1
+        for replica in range(self._replicas):
+            score = view.cached_prefix(replica, keys)
+            if score >= best_score:  # >=: max_by_key keeps the last of equal scores
+                best, best_score = replica, score
+        return best if best_score > 0 else _least_loaded(view.loads)
+
+
+RouterFactory = Callable[[int, int], Router]
+ROUTERS: dict[str, RouterFactory] = {
+    "random": RandomRouter,
+    "round_robin": RoundRobinRouter,
+    "consistent_hash": ConsistentHashRouter,
+    "cache_aware": CacheAwareRouter,
+    "kv_aware": KvAwareRouter,
+}
+
+
+def router_names() -> list[str]:
+    return list(ROUTERS)
+
+
+def check_replicas(replicas: int) -> None:
+    if not 1 <= replicas <= MAX_REPLICAS:
+        raise RoutingError(f"replicas must be between 1 and {MAX_REPLICAS}, got {replicas}")
+
+
+def make_router(name: str, replicas: int, seed: int = 0) -> Router:
+    """A fresh router by registry name for ``replicas`` replicas."""
+    check_replicas(replicas)
+    factory = ROUTERS.get(name.strip().lower())
+    if factory is None:
+        raise RoutingError(f"unknown router {name!r}; valid routers: {', '.join(ROUTERS)}")
+    return factory(replicas, seed)
