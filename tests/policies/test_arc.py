@@ -1,4 +1,4 @@
-"""ARC's and DBL's order: the paper's rules, including pinning (DESIGN.md)."""
+"""ARC's and DBL's order: the paper's rules, including pinning (docs/architecture.md)."""
 
 from __future__ import annotations
 
@@ -96,3 +96,37 @@ def test_released_t2_keys_leave_in_release_order() -> None:
     policy = ARC(4)
     run_plain(policy, "abab")
     assert drain(policy) == ["a", "b"]
+
+
+def test_least_recently_released_is_the_older_head_of_t1_and_t2() -> None:
+    policy = ARC(4)
+    run_plain(policy, "aab")  # a in T2, then b in T1: a was released first
+    assert policy.list_of("a") == "t2" and policy.list_of("b") == "t1"
+    assert policy.least_recently_released() == "a"
+    assert policy.to_evict() == "b"  # ARC's own choice: T1 is above p = 0
+    run_plain(policy, "a")
+    assert policy.least_recently_released() == "b"
+    access(policy, "b")  # pinned: only T2 is left
+    assert policy.least_recently_released() == "a"
+
+
+def test_reload_places_keys_and_keeps_ghosts_within_the_case_iv_bounds() -> None:
+    policy = ARC(4)
+    run_plain(policy, "wxyz")
+    newest_first = [(key, key in "eijk") for key in "defghijk"]
+    policy.reload([("a", False), ("b", True)], [("c", True)], newest_first, 1.5)
+    policy.verify()
+    # |T1| + |B1| <= 4 skips h (a fourth B1 ghost); the directory's 8 keys end at i.
+    lists = {key: policy.list_of(key) for key in "abcdefghijkw"}
+    assert lists == {
+        **dict(a="t1", b="t2", c="t2", d="b1", e="b2", f="b1", g="b1", i="b2"),
+        **dict.fromkeys("hjkw"),
+    }
+    assert policy.list_sizes() == {"t1": 1, "t2": 2, "b1": 3, "b2": 2}
+    assert policy.target == 1.5
+    assert list(policy.resident_keys()) == ["a", "b", "c"]
+    assert policy.to_evict() == "b"  # |T1| = 1 is below p: T2's unpinned LRU
+    # B1 keeps the newest ghost last: a fresh miss drops g, the oldest, first.
+    policy.unpin("c")
+    run_plain(policy, ["l"])
+    assert policy.list_of("g") is None and policy.list_of("d") == "b1"

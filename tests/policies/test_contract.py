@@ -8,7 +8,13 @@ from __future__ import annotations
 import pytest
 from policy_support import access, run_plain, zipf_keys
 
-from arc_evictor.policies import EvictionPolicy, PolicyError, make_policy, policy_names
+from arc_evictor.policies import (
+    EvictionPolicy,
+    PolicyError,
+    ReportsStatistics,
+    make_policy,
+    policy_names,
+)
 
 pytestmark = pytest.mark.parametrize("name", policy_names())
 
@@ -49,6 +55,14 @@ def test_registry_builds_the_named_policy(name: str) -> None:
     assert policy.name == name
     assert policy.capacity == 4
     assert policy.describe().startswith(name)
+
+
+def test_statistics_are_reported_apart_from_the_eviction_interface(name: str) -> None:
+    policy = make_policy(name, 4)
+    assert isinstance(policy, ReportsStatistics)
+    statistics = {"counters", "list_sizes", "target", "resident_lists", "ghost_lists"}
+    assert not statistics & set(dir(EvictionPolicy))
+    assert policy.counters.evictions == policy.counters.ghost_hits == {}
 
 
 def test_list_names_match_declared_lists(name: str) -> None:

@@ -18,11 +18,12 @@ from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 
 from arc_evictor.policies.base import EvictionPolicy, Key
+from arc_evictor.policies.statistics import PolicyCounters, ReportsStatistics
 
 NEVER = 1 << 62  # next use of a key that is not used again
 
 
-class Belady(EvictionPolicy):
+class Belady(EvictionPolicy, ReportsStatistics):
     """Furthest next use first, among unpinned cached keys.
 
     Invariants:
@@ -37,6 +38,7 @@ class Belady(EvictionPolicy):
 
     def __init__(self, capacity: int, uses: dict[Key, deque[int]]) -> None:
         super().__init__(capacity)
+        self.counters = PolicyCounters()
         self._uses = uses
         self._next_use: dict[Key, int] = {}
         self._evictable: set[Key] = set()

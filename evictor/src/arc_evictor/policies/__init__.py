@@ -1,7 +1,8 @@
 """Eviction policies for a KV block pool, behind one interface (``EvictionPolicy``).
 
 The registry maps stable lower-case names to factories; ``make_policy`` is the
-only way the simulator and the vLLM plugin build a policy.
+only way the simulator and the vLLM plugin build a policy. Every registered policy
+also reports statistics for metrics (``ReportsStatistics``).
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from arc_evictor.policies.base import EvictionPolicy, Key, PolicyError
 from arc_evictor.policies.lru import LRU
 from arc_evictor.policies.s3fifo import S3FIFO
 from arc_evictor.policies.sieve import Sieve
-from arc_evictor.policies.trio import Trio
+from arc_evictor.policies.statistics import PolicyCounters, ReportsStatistics
+from arc_evictor.policies.trio import FollowTheLeader, Trio
 
 PolicyFactory = Callable[[int], EvictionPolicy]
 
@@ -23,7 +25,7 @@ REGISTRY: dict[str, PolicyFactory] = {
     "arc": ARC,
     "s3fifo": S3FIFO,
     "sieve": Sieve,
-    "trio": Trio,
+    "trio": FollowTheLeader,
 }
 
 
@@ -52,8 +54,11 @@ __all__ = [
     "REGISTRY",
     "S3FIFO",
     "EvictionPolicy",
+    "FollowTheLeader",
     "Key",
+    "PolicyCounters",
     "PolicyError",
+    "ReportsStatistics",
     "Sieve",
     "Trio",
     "make_policy",

@@ -29,16 +29,17 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 from arc_evictor.policies.base import EvictionPolicy, Key
+from arc_evictor.policies.statistics import PolicyCounters, ReportsStatistics
 
 T1, T2, B1, B2 = 0, 1, 2, 3
 _LIST_NAMES = ("t1", "t2", "b1", "b2")
 _NONE = object()
 
 
-class ARC(EvictionPolicy):
+class ARC(EvictionPolicy, ReportsStatistics):
     """ARC over a block pool with pinned blocks.
 
     Invariants:
@@ -59,6 +60,7 @@ class ARC(EvictionPolicy):
 
     def __init__(self, capacity: int, *, adaptive: bool = True) -> None:
         super().__init__(capacity)
+        self.counters = PolicyCounters()
         self.adaptive = adaptive
         self._where: dict[Key, int] = {}
         self._t1: OrderedDict[Key, int] = OrderedDict()
@@ -217,14 +219,71 @@ class ARC(EvictionPolicy):
         return self._t1_size + self._t2_size
 
     def resident_keys(self) -> Iterator[Key]:
-        yield from self._released()
+        yield from self.released()
         yield from self._pinned
 
-    def _released(self) -> Iterator[Key]:
+    def released(self) -> Iterator[Key]:
         """Unpinned resident keys (T1 and T2), least recently released first."""
         by_release = heapq.merge(self._t1.items(), self._t2.items(), key=lambda item: item[1])
         for key, _stamp in by_release:
             yield key
+
+    def least_recently_released(self) -> Key | None:
+        """LRU's victim: the older of T1's and T2's least recently released keys; no change."""
+        t1, t2 = self._t1, self._t2
+        if not t1 or not t2:
+            return next(iter(t1 or t2), None)
+        first1, first2 = next(iter(t1)), next(iter(t2))
+        return first1 if t1[first1] < t2[first2] else first2
+
+    def list_of(self, key: Key) -> str | None:
+        """The list that holds ``key`` (``t1``, ``t2``, ``b1`` or ``b2``), or None."""
+        where = self._where.get(key)
+        return None if where is None else _LIST_NAMES[where]
+
+    def reload(
+        self,
+        released: Iterable[tuple[Key, bool]],
+        pinned: Iterable[tuple[Key, bool]],
+        ghosts_newest_first: Iterable[tuple[Key, bool]],
+        target: float,
+    ) -> None:
+        """Replace every list and ``p``, for an owner that kept the keys in another order.
+
+        Each key comes with whether it belongs to the frequency side (T2 or B2) rather
+        than the recency side (T1 or B1): the ``released`` keys least recently released
+        first, then the ``pinned`` ones. Ghosts are taken newest first while the case IV
+        bounds hold: one that would push |T1| + |B1| past c is skipped, and the first that
+        would push the directory past 2c ends the list. The counters keep counting.
+        """
+        self.clear()
+        where, t1, t2 = self._where, self._t1, self._t2
+        for key, frequent in released:
+            self._clock += 1
+            if frequent:
+                where[key], t2[key] = T2, self._clock
+            else:
+                where[key], t1[key] = T1, self._clock
+        for key, frequent in pinned:
+            where[key] = T2 if frequent else T1
+            self._pinned.add(key)
+        self._t2_size = sum(1 for list_ in where.values() if list_ == T2)
+        self._t1_size = len(where) - self._t2_size
+        capacity = self.capacity
+        kept: list[tuple[Key, bool]] = []
+        t1_and_b1 = self._t1_size
+        for key, frequent in ghosts_newest_first:
+            if len(where) + len(kept) == 2 * capacity:
+                break
+            if not frequent:
+                if t1_and_b1 == capacity:
+                    continue
+                t1_and_b1 += 1
+            kept.append((key, frequent))
+        for key, frequent in reversed(kept):
+            where[key] = B2 if frequent else B1
+            (self._b2 if frequent else self._b1)[key] = None
+        self._p = target
 
     def list_sizes(self) -> dict[str, int]:
         return {"t1": self._t1_size, "t2": self._t2_size, "b1": len(self._b1), "b2": len(self._b2)}

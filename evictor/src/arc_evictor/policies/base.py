@@ -28,7 +28,6 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Hashable, Iterator
-from dataclasses import dataclass, field
 from typing import ClassVar
 
 Key = Hashable
@@ -38,22 +37,11 @@ class PolicyError(ValueError):
     """A policy was asked for by a name or with parameters it does not accept."""
 
 
-@dataclass(slots=True)
-class PolicyCounters:
-    """Event counts that a policy keeps for its metrics (per list name)."""
-
-    evictions: dict[str, int] = field(default_factory=dict)
-    ghost_hits: dict[str, int] = field(default_factory=dict)
-
-    def count_eviction(self, list_name: str) -> None:
-        self.evictions[list_name] = self.evictions.get(list_name, 0) + 1
-
-    def count_ghost_hit(self, list_name: str) -> None:
-        self.ghost_hits[list_name] = self.ghost_hits.get(list_name, 0) + 1
-
-
 class EvictionPolicy(ABC):
-    """Base class: capacity, counters and the contract above.
+    """Base class: capacity and the call protocol above.
+
+    What a policy reports for metrics is a protocol of its own,
+    ``statistics.ReportsStatistics``: eviction reads none of it.
 
     Invariants every subclass keeps (checked by ``verify``):
     - the resident keys are exactly those inserted and not yet evicted or removed;
@@ -62,15 +50,11 @@ class EvictionPolicy(ABC):
     """
 
     name: ClassVar[str]
-    # Names of the resident lists (``T1``/``T2`` for ARC) and ghost lists, for metrics.
-    resident_lists: ClassVar[tuple[str, ...]]
-    ghost_lists: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, capacity: int) -> None:
         if capacity < 1:
             raise PolicyError(f"capacity must be at least 1 block, got {capacity}")
         self.capacity = capacity
-        self.counters = PolicyCounters()
 
     @abstractmethod
     def find(self, key: Key) -> bool:
@@ -113,16 +97,12 @@ class EvictionPolicy(ABC):
         """Every resident key, least recently used first (for a live policy switch)."""
 
     @abstractmethod
-    def list_sizes(self) -> dict[str, int]:
-        """Resident keys per list, then ghost keys per ghost list, by list name."""
-
-    @abstractmethod
     def verify(self) -> None:
         """Recount every structure; raise AssertionError naming what is out of sync."""
 
     @abstractmethod
     def clear(self) -> None:
-        """Forget every key and all history; the counters keep counting."""
+        """Forget every key and all history (statistics' counters keep counting)."""
 
     def access(self, key: Key) -> bool:
         """One access of ``key`` in a cache that holds no pins: True on a hit.
@@ -142,11 +122,6 @@ class EvictionPolicy(ABC):
             self.insert(key)
         self.unpin(key)
         return hit
-
-    @property
-    def target(self) -> float | None:
-        """ARC's adaptive target ``p`` for T1, in blocks; None for other policies."""
-        return None
 
     def describe(self) -> str:
         """The policy with its parameters, e.g. ``s3fifo-0.10-2``."""

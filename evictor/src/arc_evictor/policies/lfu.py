@@ -30,6 +30,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 
 from arc_evictor.policies.base import EvictionPolicy, Key, PolicyError
+from arc_evictor.policies.statistics import PolicyCounters, ReportsStatistics
 
 # Counts above this carry no extra information: the hottest blocks never leave anyway.
 MAX_COUNT = 255
@@ -201,7 +202,7 @@ class FrequencyOrder:
             assert self._min == min(self._buckets), f"LFU minimum {self._min} is stale"
 
 
-class LFU(EvictionPolicy):
+class LFU(EvictionPolicy, ReportsStatistics):
     """LFU with remembered counts over a pool with pinned blocks (see the module docstring).
 
     Invariants: those of ``FrequencyOrder``; ``_pinned`` holds exactly the pinned
@@ -213,6 +214,7 @@ class LFU(EvictionPolicy):
 
     def __init__(self, capacity: int, *, history_factor: int = 4) -> None:
         super().__init__(capacity)
+        self.counters = PolicyCounters()
         if history_factor < 0:
             raise PolicyError(f"LFU history factor must be >= 0, got {history_factor}")
         self._order = FrequencyOrder(history_factor * capacity)

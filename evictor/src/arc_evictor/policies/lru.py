@@ -14,9 +14,10 @@ from collections import OrderedDict
 from collections.abc import Iterator
 
 from arc_evictor.policies.base import EvictionPolicy, Key
+from arc_evictor.policies.statistics import PolicyCounters, ReportsStatistics
 
 
-class LRU(EvictionPolicy):
+class LRU(EvictionPolicy, ReportsStatistics):
     """Least recently released first.
 
     Invariants:
@@ -30,6 +31,7 @@ class LRU(EvictionPolicy):
 
     def __init__(self, capacity: int) -> None:
         super().__init__(capacity)
+        self.counters = PolicyCounters()
         self._order: OrderedDict[Key, None] = OrderedDict()
         self._pinned: set[Key] = set()
 

@@ -44,6 +44,7 @@ from collections import OrderedDict
 from collections.abc import Iterator
 
 from arc_evictor.policies.base import EvictionPolicy, Key, PolicyError
+from arc_evictor.policies.statistics import PolicyCounters, ReportsStatistics
 
 # Main's counters act as a 2-bit clock: a re-queued block keeps at most 2 hits.
 _MAIN_FREQ_CAP = 3
@@ -101,7 +102,7 @@ class _GhostFifo:
         return False
 
 
-class S3FIFO(EvictionPolicy):
+class S3FIFO(EvictionPolicy, ReportsStatistics):
     """S3-FIFO over a block pool with pinned blocks.
 
     Invariants:
@@ -125,6 +126,7 @@ class S3FIFO(EvictionPolicy):
         move_to_main_threshold: int = 2,
     ) -> None:
         super().__init__(capacity)
+        self.counters = PolicyCounters()
         if not 0.0 < small_ratio < 1.0:
             raise PolicyError(f"s3fifo small_ratio must be in (0, 1), got {small_ratio}")
         if not ghost_ratio >= 0.0:

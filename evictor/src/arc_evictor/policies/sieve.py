@@ -27,6 +27,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from arc_evictor.policies.base import EvictionPolicy, Key, PolicyError
+from arc_evictor.policies.statistics import PolicyCounters, ReportsStatistics
 
 
 @dataclass(slots=True, eq=False)
@@ -40,7 +41,7 @@ class _Node:
     older: _Node = field(init=False, repr=False)
 
 
-class Sieve(EvictionPolicy):
+class Sieve(EvictionPolicy, ReportsStatistics):
     """SIEVE over a block pool with pinned blocks.
 
     Invariants:
@@ -57,6 +58,7 @@ class Sieve(EvictionPolicy):
 
     def __init__(self, capacity: int) -> None:
         super().__init__(capacity)
+        self.counters = PolicyCounters()
         self._root = _Node(key=None)
         self._root.newer = self._root.older = self._root
         self._nodes: dict[Key, _Node] = {}

@@ -1,64 +1,71 @@
-"""Trio: ARC, LRU or LFU, whichever its miniature caches show ahead lately.
+"""``trio`` (``FollowTheLeader``): evict in the order of whichever of ARC, LRU and LFU its
+miniature caches show ahead lately.
 
-Why: no single order wins every workload a prefix cache sees. On document QA
-(a Zipf law over long shared documents) the blocks worth keeping are the popular
-documents', which only frequency with memory finds (LFU closes a third of the gap
-to Belady there); on multi-turn chat recency wins (LRU or ARC); on the Mooncake
-sample ARC does. An earlier candidate that chose between ARC and LRU only never closed any
-of the gap to Belady; Trio adds LFU.
+Algorithm. Three experts each propose an eviction order: ARC (arc.py), LRU (least
+recently released first) and LFU with remembered counts (lfu.py). A judge replays a
+hash-sampled share of the keys through one miniature cache per expert, each with the
+sampled share of the capacity (Waldspurger et al., "Cache Modeling and Optimization
+using Miniature Simulations", USENIX ATC'17). Every ``window`` sampled accesses each
+expert's score decays by ``SCORE_DECAY`` and gains its miniature's hits in that window,
+and the real cache follows the expert with the highest score (ties: ARC, then LRU, then
+LFU) until the next window ends: "follow the leader" from prediction with expert advice,
+with discounted scores.
 
-Variant: while ARC or LRU leads, the real cache is ARC exactly (arc.py: lists, ghosts,
-target ``p``); LRU's victim is then the older of T1's and T2's least recently released
-blocks (both lists are ordered by release stamp), and the victim goes to B1 or B2 as in
-ARC, so ARC's learning goes on while LRU leads. While LFU leads, the real cache is
-``lfu.FrequencyOrder`` ordered by (count, release), plus the set of keys ARC would hold
-in T2 (hit since they entered); ARC's lists and ghosts are set aside, because keeping
-them up to date as well cost about 0.4 of ARC's own time in ``make bench``. Access counts
-(capped at 255, kept for ``history_factor * capacity`` evicted keys) are kept always, so
-LFU leads with warm counts. When LFU loses the lead, ARC is rebuilt: T1 and T2 from that
-set, each in release order; the ghosts from the count history, most recently evicted
-first while ARC's bounds allow (used once: B1, else B2); and ``p`` from the miniature
-ARC's target, scaled to the real capacity (keeping the old ``p`` instead lost up to 1.3
-points on the Mooncake sample).
+Why three: no single order wins every workload a prefix cache sees. On document QA (a
+Zipf law over long shared documents) the blocks worth keeping are the popular
+documents', which only frequency with memory finds; on multi-turn chat recency wins
+(LRU or ARC); on the Mooncake sample ARC does.
 
-Three miniature caches (Waldspurger et al., "Cache Modeling and Optimization using
-Miniature Simulations", USENIX ATC'17) replay a hash-sampled share of the keys, one
-ARC, one LRU and one LFU, each with the sampled share of the capacity; the share is
-the largest power of two that leaves each miniature at least ``MIN_MINIATURE_BLOCKS``
-blocks (smaller miniatures misjudge prefix traffic). Every ``window`` sampled accesses
-(half a miniature) each expert's score decays by ``SCORE_DECAY`` and gains its hits in
-that window; the expert with the highest score (ties: ARC, then LRU, then LFU) leads
-until the next window ends. The slow decay (a memory of about 20 windows) matters:
-with scores halved each window, experts within a point of each other took turns, and
-every turn cost hits (up to 0.8 points below max(LRU, ARC)).
+Parameters. The sampled share is the largest power of two that leaves each miniature at
+least ``MIN_MINIATURE_BLOCKS`` blocks (smaller miniatures misjudge prefix traffic). A
+window is half a miniature; the slow decay (a memory of about 20 windows) keeps experts
+within a point of each other from taking turns, and every change of lead costs hits.
 
-Prefix caches: all three orders evict a block's descendants before the block
-(LRU and ARC by release order, LFU because a parent's count is at least its
-child's, ties by release order).
+The real cache, by leader:
+- ARC: an ``ARC`` holds the resident keys and chooses the victims.
+- LRU: the same ``ARC`` names the older of T1's and T2's least recently released keys
+  (both lists are ordered by release); the victim still goes to B1 or B2, so ARC's
+  learning goes on while LRU leads.
+- LFU: ``lfu.FrequencyOrder`` orders the unpinned resident keys by (count, release),
+  and a set holds the keys ARC would hold in T2 (hit since they entered). The ``ARC`` is
+  empty but keeps its target ``p``: keeping its lists up to date as well would cost
+  about 0.4 of ARC's own time.
+- Always: every resident key's access count (capped at ``MAX_COUNT``) and the counts of
+  the last ``history_factor * capacity`` evicted keys, so LFU leads with warm counts.
+
+A change of lead to LFU orders the unpinned keys by count and empties the ``ARC``. A
+change away from LFU reloads the ``ARC``: T1 and T2 from the keys in release order,
+split by the T2 set; ghosts from the remembered counts, most recently evicted first
+while ARC's bounds allow (used once: B1, else B2); ``p`` from the miniature ARC's,
+scaled to the real capacity (the ``p`` kept from before LFU led is stale by then).
+
+Prefix caches: all three orders evict a block's descendants before the block (LRU and
+ARC by release order, LFU because a parent's count is at least its child's, ties by
+release order).
 
 Cost: O(1) per operation, amortised: the leading order's work (ARC's or LFU's), one
-count per ``find``, one multiplicative hash per missed ``find`` (a hit reads the key's
-membership of the sampled resident keys instead), and a sampled share of the
-work in three miniature caches (under 2,048 / c of the keys: every key below 2,048
-blocks, 1/8 at 13,072). A change of lead between LFU and the others costs O(c): it
-builds one order (merging ARC's two lists, or at most 255 count buckets) and, when ARC
-comes back, reads at most ``history_factor * c`` remembered counts. It happens at most
-once a window, and a window is about ``c / 2`` accesses.
+count per ``find``, one multiplicative hash per missed ``find`` (a hit asks the set of
+sampled resident keys instead), and the three miniatures' work for a sampled share of
+the keys (every key below 2,048 blocks, 1/8 at 13,072). A change of lead between LFU
+and the others costs O(c): it builds one order (merging ARC's two lists, or at most
+``MAX_COUNT`` count buckets) and, when ARC comes back, reads at most
+``history_factor * c`` remembered counts. It happens at most once a window.
 
-Name map: ``_freq`` the counts and frequency order; ``_reused`` the keys ARC would
-hold in T2 while LFU leads; ``_minis`` the miniatures (ARC, LRU, LFU); ``_scores``
-their decayed hit counts; ``_expert`` the index of the expert that leads;
-``_sampled_resident`` the resident keys in the sample.
+Name map: experts ``EXPERTS`` (indices ``_ARC``, ``_LRU``, ``_LFU``); the judge
+``MiniatureJudge`` (miniatures, scores, window); the real cache's ``_arc`` (T1, T2, B1,
+B2 and p as in arc.py), ``_counts`` (counts, history and LFU's order), ``_t2_keys`` and
+``_pinned`` (the keys ARC would hold in T2, and the pinned keys, while LFU leads).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
-from arc_evictor.policies.arc import ARC, B1, B2, T1, T2
+from arc_evictor.policies.arc import ARC
 from arc_evictor.policies.base import EvictionPolicy, Key, PolicyError
 from arc_evictor.policies.lfu import LFU, MAX_COUNT, FrequencyOrder
 from arc_evictor.policies.lru import LRU
+from arc_evictor.policies.statistics import ReportsStatistics
 
 # Fibonacci hashing: spreads interned (consecutive) integer keys over the sample space.
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -80,23 +87,130 @@ def _stable_hash(key: Key) -> int:
     return int.from_bytes(key[:8], "big") if key.__class__ is bytes else hash(key)
 
 
-class Trio(ARC):
-    """ARC's lists, or LFU's order while LFU leads; the lead from three miniatures.
+def _expert_index(expert: str) -> int:
+    try:
+        return EXPERTS.index(expert)
+    except ValueError:
+        raise PolicyError(f"unknown expert {expert!r}; experts: {', '.join(EXPERTS)}") from None
+
+
+class MiniatureJudge:
+    """Scores the experts by one miniature cache each on a hash-sampled share of the keys.
+
+    Invariants (checked by ``verify``):
+    - every miniature holds only sampled keys and is a valid policy itself;
+    - ``0 <= _window_count < window``;
+    - ``_leader`` has the highest score as of the last window's end (ARC before the first).
+    """
+
+    def __init__(self, capacity: int, *, min_miniature_blocks: int, history_factor: int) -> None:
+        if min_miniature_blocks < 1:
+            raise PolicyError(f"trio min_miniature_blocks must be >= 1, got {min_miniature_blocks}")
+        # The largest power-of-two share that leaves each miniature min_miniature_blocks.
+        self.sample_bits = min(16, max(0, (capacity // min_miniature_blocks).bit_length() - 1))
+        # A key is sampled when its scrambled hash is below this (all keys: 2**64).
+        self.sample_limit = 1 << (64 - self.sample_bits)
+        mini_capacity = max(1, capacity >> self.sample_bits)
+        self._miniatures = (
+            ARC(mini_capacity),
+            LRU(mini_capacity),
+            LFU(mini_capacity, history_factor=history_factor),
+        )
+        # Half a miniature cache-full: the slow score decay, not the window, smooths the choice.
+        self.window = max(64, mini_capacity // 2)
+        self._scores = [0.0, 0.0, 0.0]
+        self._window_hits = [0, 0, 0]
+        self._window_count = 0
+        self._leader = _ARC
+
+    @property
+    def leader(self) -> str:
+        """The expert with the highest score at the last window's end."""
+        return EXPERTS[self._leader]
+
+    @property
+    def scores(self) -> dict[str, float]:
+        """Each expert's decayed hit count as of the last window's end (a copy)."""
+        return dict(zip(EXPERTS, self._scores, strict=True))
+
+    @property
+    def window_count(self) -> int:
+        """Sampled accesses so far in the current window."""
+        return self._window_count
+
+    def miniature(self, expert: str) -> ARC | LRU | LFU:
+        """The miniature cache that scores ``expert``."""
+        return self._miniatures[_expert_index(expert)]
+
+    def sampled(self, key: Key) -> bool:
+        """Whether the miniatures see ``key`` (the same answer in every process)."""
+        return (_stable_hash(key) * _GOLDEN) & _MASK64 < self.sample_limit
+
+    def observe(self, key: Key) -> bool:
+        """A sampled ``key`` is accessed: one access in every miniature. True when this
+        access ended a window (the leader may have changed)."""
+        arc, lru, lfu = self._miniatures
+        hits = self._window_hits
+        hits[_ARC] += arc.access(key)
+        hits[_LRU] += lru.access(key)
+        hits[_LFU] += lfu.access(key)
+        self._window_count += 1
+        if self._window_count < self.window:
+            return False
+        self.end_window()
+        return True
+
+    def credit(self, expert: str, hits: float) -> None:
+        """Add ``hits`` to ``expert``'s hits in the current window, as its miniature would."""
+        self._window_hits[_expert_index(expert)] += hits
+
+    def end_window(self) -> None:
+        """Decay every score, add the window's hits, and choose the leader."""
+        scores, hits = self._scores, self._window_hits
+        for index in range(len(EXPERTS)):
+            scores[index] = scores[index] * SCORE_DECAY + hits[index]
+            hits[index] = 0
+        self._window_count = 0
+        self._leader = max(range(len(EXPERTS)), key=lambda index: (scores[index], -index))
+
+    def clear(self) -> None:
+        for miniature in self._miniatures:
+            miniature.clear()
+        self._scores = [0.0, 0.0, 0.0]
+        self._window_hits = [0, 0, 0]
+        self._window_count = 0
+        self._leader = _ARC
+
+    def verify(self) -> None:
+        for miniature in self._miniatures:
+            miniature.verify()
+            assert all(self.sampled(key) for key in miniature.resident_keys()), (
+                "a miniature cache holds a key outside the sample"
+            )
+        assert 0 <= self._window_count < self.window, "trio window count out of range"
+
+
+class FollowTheLeader(EvictionPolicy, ReportsStatistics):
+    """The real cache in the order of the expert its judge finds ahead (module docstring).
 
     Invariants (all checked by ``verify``):
-    - ``_freq`` counts every resident key; ``_pinned`` holds the pinned resident keys;
-    - while ARC or LRU leads: ARC's invariants hold, ``_freq`` keeps no order and
-      ``_reused`` is empty;
-    - while LFU leads: ``_freq`` orders exactly the unpinned resident keys, ``_reused``
-      holds only resident keys, ARC's lists and ghosts are empty, and
-      ``0 <= _p <= capacity``;
-    - the miniatures hold only sampled keys and are valid policies themselves;
-    - ``_sampled_resident`` holds exactly the resident keys in the sample;
-    - ``0 <= _window_count < window``; ``_expert`` is the best score as of the last
-      window's end (ARC before the first).
+    - ``_counts`` counts exactly the resident keys; ``_sampled_resident`` holds exactly
+      the resident keys in the judge's sample;
+    - while ARC or LRU leads: ``_arc`` holds exactly the resident keys (with ARC's own
+      invariants), ``_counts`` keeps no order, and ``_t2_keys`` and ``_pinned`` are empty;
+    - while LFU leads: ``_counts`` orders exactly the unpinned resident keys, ``_pinned``
+      holds the pinned ones, ``_t2_keys`` holds only resident keys, and ``_arc`` holds no
+      key (only its target ``p``, in [0, c]);
+    - ``counters`` is ``_arc``'s: ARC's evictions and ghost hits, and LFU's evictions
+      under the list ARC would have held the victim in.
+
+    The methods dispatch on the leader at each call, never by rebinding: block pools keep
+    ``policy.pin`` and ``policy.find`` in locals across calls that may change the leader.
     """
 
     name = "trio"
+    resident_lists = ARC.resident_lists
+    ghost_lists = ARC.ghost_lists
 
     def __init__(
         self,
@@ -106,266 +220,205 @@ class Trio(ARC):
         history_factor: int = 6,
     ) -> None:
         super().__init__(capacity)
-        if min_miniature_blocks < 1:
-            raise PolicyError(f"trio min_miniature_blocks must be >= 1, got {min_miniature_blocks}")
         if history_factor < 0:
             raise PolicyError(f"trio history_factor must be >= 0, got {history_factor}")
-        # The largest power-of-two share that leaves each miniature min_miniature_blocks.
-        self._sample_bits = min(16, max(0, (capacity // min_miniature_blocks).bit_length() - 1))
-        # A key is sampled when its scrambled hash is below this (all keys: 2**64).
-        self._sample_limit = 1 << (64 - self._sample_bits)
-        mini_capacity = max(1, capacity >> self._sample_bits)
-        self._minis = (
-            ARC(mini_capacity),
-            LRU(mini_capacity),
-            LFU(mini_capacity, history_factor=history_factor),
+        self.judge = MiniatureJudge(
+            capacity, min_miniature_blocks=min_miniature_blocks, history_factor=history_factor
         )
-        # Half a miniature cache-full: the slow score decay, not the window, smooths the choice.
-        self.window = max(64, mini_capacity // 2)
-        self._freq = FrequencyOrder(history_factor * capacity, ordered=False)
-        self._scores = [0.0, 0.0, 0.0]
-        self._window_hits = [0, 0, 0]
-        self._window_count = 0
-        self._expert = _ARC
-        # While LFU leads: the resident keys ARC would hold in T2 (hit since they entered).
-        self._reused: set[Key] = set()
+        self._arc = ARC(capacity)
+        self.counters = self._arc.counters
+        self._counts = FrequencyOrder(history_factor * capacity, ordered=False)
+        self._leader = _ARC
+        self._t2_keys: set[Key] = set()
+        self._pinned: set[Key] = set()
         # A hit asks this set instead of hashing the key (most accesses are hits).
         self._sampled_resident: set[Key] = set()
         # Whether the key that missed in the last ``find`` is in the sample.
         self._pending_sampled = False
 
-    def describe(self) -> str:
-        return f"trio-1/{1 << self._sample_bits}"
+    @property
+    def leader(self) -> str:
+        """The expert whose order the real cache follows: ``arc``, ``lru`` or ``lfu``."""
+        return EXPERTS[self._leader]
 
     @property
-    def expert(self) -> str:
-        """The expert that leads now: ``arc``, ``lru`` or ``lfu``."""
-        return EXPERTS[self._expert]
+    def target(self) -> float:
+        """ARC's target ``p`` (kept, not adapted, while LFU leads)."""
+        return self._arc.target
 
-    def _sampled(self, key: Key) -> bool:
-        return (_stable_hash(key) * _GOLDEN) & _MASK64 < self._sample_limit
+    def describe(self) -> str:
+        return f"trio-1/{1 << self.judge.sample_bits}"
 
-    # ARC's shorter path would skip the counts and the miniatures.
-    access = EvictionPolicy.access
+    def count(self, key: Key) -> int:
+        """The access count remembered for ``key`` (resident or evicted), else 0."""
+        return self._counts.count(key)
 
-    def find(self, key: Key) -> bool:
-        freq = self._freq
-        counts = freq.counts
-        count = counts.get(key)
-        if count is None:
-            # _sampled and _stable_hash inline: this runs for every missed block.
-            hashed = int.from_bytes(key[:8], "big") if key.__class__ is bytes else hash(key)
-            sampled = self._pending_sampled = (hashed * _GOLDEN) & _MASK64 < self._sample_limit
-        else:
-            sampled = key in self._sampled_resident
-        if sampled:
-            arc, lru, lfu = self._minis
-            hits = self._window_hits
-            hits[_ARC] += arc.access(key)
-            hits[_LRU] += lru.access(key)
-            hits[_LFU] += lfu.access(key)
-            self._window_count += 1
-            if self._window_count == self.window:
-                self._end_window()
-        if self._expert != _LFU:
-            if count is None:
-                ARC.find(self, key)  # a ghost hit moves p
-                freq.access(key)  # the count comes back from the history
-                return False
-            # A hit: FrequencyOrder.access (no order to keep) and ARC.find's hit inline, a
-            # call less per block; test_trio holds this copy to ARC's victims.
-            if count < MAX_COUNT:
-                counts[key] = count + 1
-            if self._where[key] == T1:
-                self._t1_size -= 1
-                self._t2_size += 1
-                self._where[key] = T2
-                if self._t1.pop(key, None) is not None:  # unpinned: the plain driver's order
-                    self._clock += 1
-                    self._t2[key] = self._clock
-            elif key in self._t2:
-                self._clock += 1
-                self._t2[key] = self._clock
-                self._t2.move_to_end(key)
-            return True
-        freq.access(key)
-        if count is None:
-            return False
-        self._reused.add(key)
-        return True
+    def list_of(self, key: Key) -> str | None:
+        """The ARC list that holds ``key``; while LFU leads, the one ARC would hold a
+        resident key in (``t1`` or ``t2``; no ghosts)."""
+        if self._leader != _LFU:
+            return self._arc.list_of(key)
+        if key not in self._counts:
+            return None
+        return "t2" if key in self._t2_keys else "t1"
 
-    def _end_window(self) -> None:
-        scores, hits = self._scores, self._window_hits
-        for index in range(3):
-            scores[index] = scores[index] * SCORE_DECAY + hits[index]
-            hits[index] = 0
-        self._window_count = 0
-        expert = max(range(3), key=lambda index: (scores[index], -index))
-        if expert == _LFU and self._expert != _LFU:
+    def follow(self, expert: str) -> None:
+        """Evict in ``expert``'s order from now on (``find`` calls this at a window's end)."""
+        leader = _expert_index(expert)
+        if leader == _LFU and self._leader != _LFU:
             self._order_by_counts()
-        elif expert != _LFU and self._expert == _LFU:
-            self._rebuild_lists()
-        self._expert = expert
+        elif leader != _LFU and self._leader == _LFU:
+            self._reload_arc()
+        self._leader = leader
 
     def _order_by_counts(self) -> None:
-        """LFU takes the lead: order the unpinned keys by count and set ARC's lists aside."""
-        self._freq.start_order(self._released())
-        self._reused = {key for key, list_ in self._where.items() if list_ == T2}
-        for structure in (self._where, self._t1, self._t2, self._b1, self._b2):
-            structure.clear()
-        self._t1_size = self._t2_size = 0
-        self._pending_ghost = None
+        """LFU takes the lead: the counts order the unpinned keys, and the ARC empties."""
+        arc, counts = self._arc, self._counts
+        released = list(arc.released())
+        counts.start_order(released)
+        self._t2_keys = {key for key in counts.counts if arc.list_of(key) == "t2"}
+        self._pinned = counts.resident().difference(released)
+        arc.reload((), (), (), arc.target)
 
-    def _rebuild_lists(self) -> None:
-        """LFU loses the lead: ARC's lists, ghosts and target rebuilt (module docstring)."""
-        freq, where, capacity = self._freq, self._where, self.capacity
-        reused = self._reused
-        for key in freq.released():
-            self._clock += 1
-            if key in reused:
-                where[key], self._t2[key] = T2, self._clock
-            else:
-                where[key], self._t1[key] = T1, self._clock
-        for key in self._pinned:
-            where[key] = T2 if key in reused else T1
-        reused.clear()
-        # ARC's target as the miniature ARC learned it meanwhile, scaled to this cache.
-        mini = self._minis[_ARC]
-        self._p = min(float(capacity), mini.target * capacity / mini.capacity)
-        self._t1_size = sum(1 for list_ in where.values() if list_ == T1)
-        self._t2_size = len(where) - self._t1_size
-        # Ghosts newest first until a bound of ARC's case IV would break, then oldest first.
-        ghosts: list[tuple[Key, int]] = []
-        t1_and_b1 = self._t1_size
-        for key, count in freq.history_newest_first():
-            if len(where) + len(ghosts) == 2 * capacity:
-                break
-            if count == 1:
-                if t1_and_b1 == capacity:
-                    continue
-                t1_and_b1 += 1
-            ghosts.append((key, B1 if count == 1 else B2))
-        for key, list_ in reversed(ghosts):
-            where[key] = list_
-            (self._b1 if list_ == B1 else self._b2)[key] = None
-        freq.stop_order()
+    def _reload_arc(self) -> None:
+        """LFU loses the lead: the ARC takes the keys back (module docstring)."""
+        counts, t2_keys, capacity = self._counts, self._t2_keys, self.capacity
+        mini = self.judge.miniature("arc")
+        self._arc.reload(
+            ((key, key in t2_keys) for key in counts.released()),
+            ((key, key in t2_keys) for key in self._pinned),
+            ((key, count > 1) for key, count in counts.history_newest_first()),
+            min(float(capacity), mini.target * capacity / mini.capacity),
+        )
+        counts.stop_order()
+        t2_keys.clear()
+        self._pinned.clear()
+
+    def find(self, key: Key) -> bool:
+        counts = self._counts.counts
+        count = counts.get(key)
+        if count is None:
+            # The judge's ``sampled`` inline: this runs for every missed block.
+            hashed = int.from_bytes(key[:8], "big") if key.__class__ is bytes else hash(key)
+            sampled = (hashed * _GOLDEN) & _MASK64 < self.judge.sample_limit
+            self._pending_sampled = sampled
+        else:
+            sampled = key in self._sampled_resident
+        if sampled and self.judge.observe(key):
+            self.follow(self.judge.leader)
+        if self._leader != _LFU:
+            if count is None:
+                self._counts.access(key)  # the count comes back from the history
+            elif count < MAX_COUNT:
+                counts[key] = count + 1  # FrequencyOrder.access, with no order to keep
+            return self._arc.find(key)  # a ghost hit moves p
+        self._counts.access(key)
+        if count is None:
+            return False
+        self._t2_keys.add(key)
+        return True
 
     def insert(self, key: Key) -> None:
-        if self._expert == _LFU:
-            assert len(self._freq.counts) < self.capacity, f"insert of {key!r} into a full trio"
+        if self._leader == _LFU:
+            assert len(self._counts.counts) < self.capacity, f"insert of {key!r} into a full trio"
             self._pinned.add(key)
         else:
-            ARC.insert(self, key)
-        self._freq.add(key)
+            self._arc.insert(key)
+        self._counts.add(key)
         if self._pending_sampled:
             self._sampled_resident.add(key)
 
     def to_evict(self) -> Key | None:
-        expert = self._expert
-        if expert == _LFU:
-            return self._freq.first()
-        if expert == _LRU:
-            t1, t2 = self._t1, self._t2
-            if not t1 or not t2:
-                return next(iter(t1 or t2), None)
-            first1, first2 = next(iter(t1)), next(iter(t2))
-            return first1 if t1[first1] < t2[first2] else first2
-        return ARC.to_evict(self)
+        leader = self._leader
+        if leader == _LFU:
+            return self._counts.first()
+        if leader == _LRU:
+            return self._arc.least_recently_released()
+        return self._arc.to_evict()
 
     def evict(self, key: Key) -> None:
-        self._freq.drop(key, remember=True)
+        self._counts.drop(key, remember=True)
         self._sampled_resident.discard(key)
-        if self._expert != _LFU:
-            ARC.evict(self, key)
+        if self._leader != _LFU:
+            self._arc.evict(key)
             return
-        # Counted under the list ARC would have held the key in.
-        evictions, reused = self.counters.evictions, self._reused
-        list_name = "t2" if key in reused else "t1"
+        # Counted inline (the hot path), under the list ARC would have held the key in.
+        evictions, t2_keys = self.counters.evictions, self._t2_keys
+        list_name = "t2" if key in t2_keys else "t1"
         evictions[list_name] = evictions.get(list_name, 0) + 1
-        reused.discard(key)
+        t2_keys.discard(key)
 
     def remove(self, key: Key) -> None:
-        if key not in self._freq or key in self._pinned:
+        if self._leader != _LFU:
+            self._arc.remove(key)  # KeyError, changing nothing, unless resident and unpinned
+        elif key not in self._counts or key in self._pinned:
             raise KeyError(key)
-        if self._expert != _LFU:
-            ARC.remove(self, key)
-        self._reused.discard(key)
+        self._t2_keys.discard(key)
         self._sampled_resident.discard(key)
-        self._freq.drop(key, remember=False)
+        self._counts.drop(key, remember=False)
 
-    # ARC's pin and unpin inline: a call less for every block a request takes and frees.
     def pin(self, key: Key) -> None:
-        if self._expert == _LFU:
-            self._freq.hold(key)
-        elif self._where[key] == T1:
-            del self._t1[key]
+        if self._leader == _LFU:
+            self._counts.hold(key)
+            self._pinned.add(key)
         else:
-            del self._t2[key]
-        self._pinned.add(key)
+            self._arc.pin(key)
 
     def unpin(self, key: Key) -> None:
-        self._pinned.remove(key)
-        if self._expert == _LFU:
-            self._freq.release(key)
-            return
-        self._clock += 1
-        (self._t1 if self._where[key] == T1 else self._t2)[key] = self._clock
+        if self._leader == _LFU:
+            self._pinned.remove(key)
+            self._counts.release(key)
+        else:
+            self._arc.unpin(key)
 
     def __contains__(self, key: object) -> bool:
-        return key in self._freq
+        return key in self._counts
 
     def __len__(self) -> int:
-        return len(self._freq)
+        return len(self._counts)
 
     def resident_keys(self) -> Iterator[Key]:
-        if self._expert != _LFU:
-            yield from ARC.resident_keys(self)
+        if self._leader != _LFU:
+            yield from self._arc.resident_keys()
             return
-        yield from self._freq.released()
+        yield from self._counts.released()
         yield from self._pinned
 
     def list_sizes(self) -> dict[str, int]:
-        if self._expert != _LFU:
-            return ARC.list_sizes(self)
-        # The lists ARC would hold the keys in; its ghosts are set aside.
-        reused = len(self._reused)
-        return {"t1": len(self._freq) - reused, "t2": reused, "b1": 0, "b2": 0}
+        if self._leader != _LFU:
+            return self._arc.list_sizes()
+        t2 = len(self._t2_keys)
+        return {"t1": len(self._counts) - t2, "t2": t2, "b1": 0, "b2": 0}
 
     def clear(self) -> None:
-        super().clear()
-        self._freq.clear()
-        self._freq.stop_order()
-        for mini in self._minis:
-            mini.clear()
-        self._scores = [0.0, 0.0, 0.0]
-        self._window_hits = [0, 0, 0]
-        self._window_count = 0
-        self._expert = _ARC
-        self._reused.clear()
+        self._arc.clear()
+        self._counts.clear()
+        self._counts.stop_order()
+        self.judge.clear()
+        self._leader = _ARC
+        self._t2_keys.clear()
+        self._pinned.clear()
         self._sampled_resident.clear()
 
     def verify(self) -> None:
-        assert self._freq.ordered == (self._expert == _LFU), "Trio LFU order out of step"
-        if self._expert == _LFU:
-            assert not (self._where or self._t1 or self._t2 or self._b1 or self._b2), (
-                "ARC's lists are not empty while LFU leads"
-            )
-            assert self._t1_size == self._t2_size == 0, "ARC's list sizes kept while LFU leads"
-            assert 0.0 <= self._p <= self.capacity, f"p = {self._p} outside [0, {self.capacity}]"
-            resident = self._freq.resident()
-            assert self._reused <= resident, "a key counted as hit since it entered is not resident"
-            self._freq.verify(resident - self._pinned, self._pinned)
+        arc, counts = self._arc, self._counts
+        resident = counts.resident()
+        arc.verify()
+        assert counts.ordered == (self._leader == _LFU), "trio's LFU order out of step"
+        if self._leader == _LFU:
+            assert not any(arc.list_sizes().values()), "ARC holds keys while LFU leads"
+            assert self._t2_keys <= resident, "a key counted as hit since it entered is gone"
+            counts.verify(resident - self._pinned, self._pinned)
         else:
-            super().verify()
-            assert not self._reused, "Trio keeps LFU's T2 set while ARC's lists are up"
-            self._freq.verify({*self._t1, *self._t2}, self._pinned)
-        assert len(self._freq) <= self.capacity, "Trio holds more than its capacity"
-        for mini in self._minis:
-            mini.verify()
-            assert all(self._sampled(key) for key in mini.resident_keys()), (
-                "a miniature cache holds a key outside the sample"
-            )
-        assert 0 <= self._window_count < self.window, "Trio window count out of range"
-        assert self._sampled_resident == {k for k in self._freq.counts if self._sampled(k)}, (
-            "Trio's resident sample differs from the sampled resident keys"
+            assert not (self._t2_keys or self._pinned), "LFU's sets kept while ARC leads"
+            released = set(arc.released())
+            counts.verify(released, set(arc.resident_keys()) - released)
+        assert len(counts) <= self.capacity, "trio holds more than its capacity"
+        self.judge.verify()
+        assert self._sampled_resident == {key for key in resident if self.judge.sampled(key)}, (
+            "trio's resident sample differs from the sampled resident keys"
         )
+
+
+# The registry name is ``trio``; the class says what it does.
+Trio = FollowTheLeader
