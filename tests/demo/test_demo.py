@@ -7,9 +7,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import yaml
 from prometheus_client import CollectorRegistry, generate_latest
 
-from arc_dev import demo
+from arc_dev import dashboards, demo, snapshot
 from arc_dev.demo import DemoError, PolicyRun, Prediction
 from arc_evictor.vllm_plugin.metrics import PluginMetrics
 from arc_loadtest.report import CacheCounters, summarize
@@ -39,13 +40,19 @@ def make_run(policy: str, ttfts: list[float], hits: float, queries: float) -> Po
     return PolicyRun(policy, summary, block_queries=queries, block_hits=hits)
 
 
+CHART = Path(__file__).resolve().parents[2] / "charts" / "arc-serving"
 PREDICTIONS = [Prediction("lru", 0.38, 0.39, 0.26), Prediction("arc", 0.50, 0.49, 0.18)]
 
 
 # --------------------------------------------------------------------------- arguments
-def test_defaults_compare_lru_then_arc_at_the_tuned_capacity(tmp_path: Path) -> None:
+def test_defaults_compare_lru_arc_and_the_charts_policy_at_the_tuned_capacity(
+    tmp_path: Path,
+) -> None:
     settings = demo.parse_args(["--out", str(tmp_path / "o")])
-    assert settings.policies == ("lru", "arc")
+    assert settings.policies == ("lru", "arc", "trio")
+    # The last default run is the policy the chart deploys.
+    values = yaml.safe_load((CHART / "values.yaml").read_text(encoding="utf-8"))
+    assert values["servingPolicy"]["policy"].lower() == settings.policies[-1]
     assert settings.capacity_blocks == demo.CAPACITY_BLOCKS
     assert settings.trace == demo.TRACE
     assert not (tmp_path / "o").exists()  # parsing creates nothing
@@ -201,3 +208,27 @@ def test_plugin_counters_are_read_from_the_plugin_metrics() -> None:
 def test_missing_plugin_metrics_name_the_cause() -> None:
     with pytest.raises(DemoError, match="no arc_evictor_block_hits_total, arc_evictor_block_qu"):
         demo.parse_plugin_counters("vllm:prefix_cache_hits_total 3.0\n")
+
+
+# ---------------------------------------------------------------- dashboard snapshot
+def test_snapshot_legends_follow_grafanas_legend_format() -> None:
+    labels = {"namespace": "ns", "pod": "p-0", "policy": "arc"}
+    assert snapshot.legend_text("{{namespace}}/{{pod}}: {{policy}}", labels) == "ns/p-0: arc"
+    assert snapshot.legend_text("p99", labels) == "p99"
+
+
+def test_snapshot_draws_the_main_dashboards_panels(tmp_path: Path) -> None:
+    dashboard = dashboards.load("overview.json")
+    times = [1000.0 + second for second in range(120)]
+    panels = []
+    for panel in dashboard["panels"]:
+        if panel["type"] == "row":
+            continue
+        legend = "ns/p-0: lru" if panel["type"] == "state-timeline" else "p50"
+        unit = panel["fieldConfig"]["defaults"].get("unit", "")
+        line = snapshot.Line(legend, times, [1.0] * len(times))
+        panels.append(snapshot.PanelData(panel["title"], panel["type"], unit, [line]))
+    assert len(panels) == 10
+    path = snapshot.draw(panels, [1030.0], 1000.0, 1120.0, "title", tmp_path / "d.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert path.stat().st_size > 50_000

@@ -1,4 +1,4 @@
-"""``make demo``: the real vLLM (CPU build) with the arc_evictor plugin, LRU against ARC.
+"""``make demo``: the real vLLM (CPU build) with the arc_evictor plugin: LRU, ARC and TRIO.
 
 Steps (each printed with its wall time):
 
@@ -13,8 +13,15 @@ Steps (each printed with its wall time):
    which also clears the policy's state, ghosts included), then replay the whole trace with
    the real Locust, headless. Every policy therefore starts from an empty cache on the same
    trace, on the same warm server process.
-5. Print one table (measured next to predicted hit rates), the ARC-versus-LRU gain lines and
-   the targets, and write ``demo.png`` and ``demo.json``.
+5. Print one table (measured next to predicted hit rates), the gain lines against the first
+   policy and the targets, and write ``demo.png`` and ``demo.json``.
+6. A real Prometheus (``.tools/bin/prometheus``, from ``make tools``) scrapes the server every
+   second as the chart's PodMonitor would, the whole time; ``dashboards.png`` draws the
+   chart's main Grafana dashboard (``arc_dev.snapshot``) from its range queries over the runs:
+   hit rate and TTFT over time per policy, as Grafana would show them. Without the binary the
+   demo says so and skips this picture.
+
+The default policies are LRU (the baseline), ARC and TRIO, the chart's default policy.
 
 Invariant: a run is only reported when every request of the trace was sent and answered;
 otherwise the demo stops with exit status 1 and says which policy's replay failed and why.
@@ -24,6 +31,7 @@ Bad arguments stop it with status 2 before anything is written or started.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -36,6 +44,15 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from arc_dev import dashboards
+from arc_dev.prometheus import (
+    PROMETHEUS_BINARY,
+    EngineTarget,
+    PrometheusError,
+    PrometheusServer,
+    pod_monitor_job,
+)
+from arc_dev.snapshot import snapshot
 from arc_dev.vllm_server import VllmServer
 from arc_evictor.policies import policy_names
 from arc_serving_common.traces import TraceRequest, load_trace
@@ -43,7 +60,7 @@ from arc_simulator.generate import DocQAParams, docqa, write_generated
 from arc_simulator.simulate import CostModel, simulate
 
 BLOCK_TOKENS = 32  # vLLM's CPU build needs a multiple of 32; the trace uses the same blocks
-# 60 documents of ~800 tokens, 300 questions at 2.5 requests/s, Zipf exponent 1.1. At 320
+# 60 documents of ~800 tokens, 300 questions at 3 requests/s, Zipf exponent 1.1. At 320
 # cached blocks (about 12 average documents) the simulator predicts ARC 9 points above LRU
 # (0.56 -> 0.65) in both modes for this seed (seeds 0-4 all show 3 to 9 points), and about
 # half the requests' prefills saved: the median request moves from a miss to a hit.
@@ -54,7 +71,7 @@ TRACE = DocQAParams(
     zipf_exponent=1.1,
     question_tokens=32,
     output_tokens=8,
-    requests_per_second=2.5,
+    requests_per_second=3.0,
     seed=4,
 )
 CAPACITY_BLOCKS = 320
@@ -73,6 +90,11 @@ REPLAY_MARGIN_S = 120  # Locust's --run-time beyond the trace's own duration
 TTFT_SHARE_TARGET = 0.5  # TTFT p50 gain must be at least half the hit-rate gain
 DISPATCH_LAG_P99_TARGET_S = 0.050
 SERVER_NICE = 5  # see _BackgroundServer
+# LRU is the baseline the gains are measured against; TRIO is the chart's default policy.
+DEFAULT_POLICIES = ("lru", "arc", "trio")
+SCRAPE_INTERVAL_S = 1.0
+# How the demo's engine appears to Prometheus: as a pod of the chart's default release.
+DEMO_NAMESPACE, DEMO_POD, DEMO_SERVINGPOLICY = "arc-serving", "arc-demo-engine-0", "arc-demo"
 
 
 class DemoError(RuntimeError):
@@ -84,7 +106,7 @@ class DemoSettings:
     """What one demo run does; ``parse_args`` builds it and checks every field."""
 
     out: Path
-    policies: tuple[str, ...] = ("lru", "arc")
+    policies: tuple[str, ...] = DEFAULT_POLICIES
     capacity_blocks: int = CAPACITY_BLOCKS
     trace: DocQAParams = TRACE
     time_scale: float = 1.0
@@ -163,9 +185,9 @@ def parse_args(argv: Sequence[str] | None = None) -> DemoSettings:
     parser.add_argument("--out", type=Path, default=Path("out/demo"), help="output folder")
     parser.add_argument(
         "--policies",
-        default="lru,arc",
+        default=",".join(DEFAULT_POLICIES),
         help="comma-separated policies, replayed in this order; the first is the baseline "
-        "the gains are measured against (default: lru,arc)",
+        f"the gains are measured against (default: {','.join(DEFAULT_POLICIES)})",
     )
     parser.add_argument(
         "--capacity",
@@ -622,6 +644,16 @@ def demo_server(
     )
 
 
+def dashboard_monitor(server: VllmServer, log_path: Path) -> PrometheusServer | None:
+    """A Prometheus (not started) scraping ``server`` as the chart's PodMonitor scrapes an
+    engine pod; None when ``make tools`` has not installed the binary."""
+    if not PROMETHEUS_BINARY.is_file():
+        return None
+    target = EngineTarget(f"127.0.0.1:{server.port}", DEMO_NAMESPACE, DEMO_POD, DEMO_SERVINGPOLICY)
+    job = pod_monitor_job(DEMO_NAMESPACE, "arc-serving-engine", [target], SCRAPE_INTERVAL_S)
+    return PrometheusServer([job], evaluation_interval_s=SCRAPE_INTERVAL_S, log_path=log_path)
+
+
 # --------------------------------------------------------------------------- main
 class _Clock:
     """Prints each step with the wall time since the demo started."""
@@ -670,28 +702,44 @@ def run_demo(settings: DemoSettings) -> int:
     )
     policy_file = out / "policy.json"
     runs: list[PolicyRun] = []
+    snapshot_path = out / "dashboards.png"
+    snapshot_path.unlink(missing_ok=True)
     try:
-        with server:
+        with server, contextlib.ExitStack() as monitoring:
             clock.step(
                 f"vLLM up at {server.base_url} in {server.startup_seconds:.0f}s (log {log_path})"
             )
+            monitor = dashboard_monitor(server, out / "prometheus.log")
+            if monitor is None:
+                clock.step(f"no {PROMETHEUS_BINARY} (run `make tools`): no dashboards.png")
+            else:
+                monitoring.enter_context(monitor)
+                clock.step(f"Prometheus at {monitor.base_url} scrapes the engine every second")
             session = ServerSession(
                 server.base_url, server.served_model_name, policy_file, server.api_key
             )
             # Warm-up: the first long prompts of a fresh process are slower; no run pays it.
             for length in (1_500, 1_000, 500):
                 session.complete([4 + i % 1000 for i in range(length)], max_tokens=8)
+            if monitor is not None:
+                monitor.wait_until(lambda: monitor.query("up == 1") != [], SWITCH_TIMEOUT_S,
+                                   "Prometheus's first scrape of the engine")  # fmt: skip
             run_time_s = int(duration * settings.time_scale) + REPLAY_MARGIN_S
+            runs_started = time.time()
             for name in settings.policies:
                 clock.step(f"{name}: switch, empty the cache, replay the trace with Locust")
                 runs.append(
                     replay_policy(session, name, trace_path, out, tokenizer=model_dir,
                                   time_scale=settings.time_scale, run_time_s=run_time_s)
                 )  # fmt: skip
+            if monitor is not None:
+                snapshot(monitor, dashboards.load("overview.json"), runs_started, time.time(),
+                         SCRAPE_INTERVAL_S, snapshot_path)  # fmt: skip
+                clock.step(f"dashboard snapshot {snapshot_path}")
     except VllmServerError as exc:
         print(f"error: the vLLM server failed: {exc}", file=sys.stderr)
         return 1
-    except DemoError as exc:
+    except (DemoError, PrometheusError) as exc:
         print(f"error: {exc}\nserver log: {log_path}", file=sys.stderr)
         return 1
     clock.step("done; measured on the real vLLM server, simulated hit rates alongside")
@@ -721,6 +769,8 @@ def run_demo(settings: DemoSettings) -> int:
     }  # fmt: skip
     (out / "demo.json").write_text(json.dumps(report, indent=2) + "\n")
     clock.step(f"plot {png}, figures {out / 'demo.json'}")
+    if snapshot_path.is_file():
+        print(f"dashboard snapshot: {snapshot_path}")
     return 0
 
 

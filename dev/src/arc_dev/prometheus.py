@@ -1,0 +1,279 @@
+"""Start a real Prometheus server on 127.0.0.1 that scrapes local vLLM engines as the chart's
+PodMonitor would, for tests and the demo's dashboard snapshot.
+
+``PrometheusServer`` is a context manager like ``arc_dev.vllm_server.VllmServer``: entering
+writes the configuration and rule files to a fresh directory, starts the ``prometheus`` binary
+(``make tools`` unpacks it from Debian's package into ``.tools/bin``) with its own time-series
+store there, and waits for ``/-/ready`` within a bounded time; leaving stops it and removes the
+directory.
+
+``pod_monitor_job`` builds a scrape job whose series carry the labels the Prometheus Operator
+gives a PodMonitor's targets (``namespace``, ``pod``, ``container``, ``endpoint``, ``job``) and,
+through the chart's own relabelling, ``servingpolicy``: each local target carries the
+``__meta_kubernetes_*`` labels Kubernetes service discovery would give the pod, and the same
+relabelling rules turn them into target labels.
+
+Invariant: the server only listens on 127.0.0.1 and only scrapes the targets it is given.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import yaml
+
+from arc_dev.vllm_server import free_port
+
+REPO = Path(__file__).resolve().parents[3]
+PROMETHEUS_BINARY = REPO / ".tools" / "bin" / "prometheus"
+# The chart's engine relabelling (templates/_helpers.tpl, arc-serving.engineRelabelings), in
+# Prometheus's own spelling; tests/prometheus checks it against the rendered PodMonitor.
+CHART_RELABELINGS: tuple[dict[str, Any], ...] = (
+    {
+        "source_labels": ["__meta_kubernetes_pod_label_arcserving_io_servingpolicy"],
+        "target_label": "servingpolicy",
+    },
+)
+ENGINE_CONTAINER = "vllm"
+ENGINE_PORT_NAME = "http"
+
+
+class PrometheusError(RuntimeError):
+    """Prometheus did not come up, or its API answered with an error."""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineTarget:
+    """One engine as Kubernetes would describe its pod: address, namespace, name, policy."""
+
+    address: str  # host:port on 127.0.0.1
+    namespace: str
+    pod: str
+    servingpolicy: str
+
+
+def pod_monitor_job(
+    namespace: str,
+    monitor: str,
+    targets: Sequence[EngineTarget],
+    interval_s: float,
+    relabelings: Sequence[Mapping[str, Any]] = CHART_RELABELINGS,
+) -> dict[str, Any]:
+    """The scrape job the Prometheus Operator generates for PodMonitor ``namespace/monitor``.
+
+    The operator's own rules come first (namespace, container, pod, job, endpoint), then the
+    monitor's ``relabelings``, as in the configuration it writes.
+    """
+    interval = f"{int(interval_s * 1000)}ms"
+    return {
+        "job_name": f"podMonitor/{namespace}/{monitor}/0",
+        "scrape_interval": interval,
+        "scrape_timeout": interval,
+        "metrics_path": "/metrics",
+        "static_configs": [
+            {
+                "targets": [target.address],
+                "labels": {
+                    "__meta_kubernetes_namespace": target.namespace,
+                    "__meta_kubernetes_pod_name": target.pod,
+                    "__meta_kubernetes_pod_container_name": ENGINE_CONTAINER,
+                    "__meta_kubernetes_pod_label_arcserving_io_servingpolicy": (
+                        target.servingpolicy
+                    ),
+                },
+            }
+            for target in targets
+        ],
+        "relabel_configs": [
+            {"source_labels": ["__meta_kubernetes_namespace"], "target_label": "namespace"},
+            {
+                "source_labels": ["__meta_kubernetes_pod_container_name"],
+                "target_label": "container",
+            },
+            {"source_labels": ["__meta_kubernetes_pod_name"], "target_label": "pod"},
+            {"target_label": "job", "replacement": f"{namespace}/{monitor}"},
+            {"target_label": "endpoint", "replacement": ENGINE_PORT_NAME},
+            *[dict(rule) for rule in relabelings],
+        ],
+    }
+
+
+class PrometheusServer:
+    """One Prometheus process; use as ``with PrometheusServer(jobs, ...) as prometheus:``.
+
+    ``scrape_jobs`` are scrape_configs entries, ``rule_files`` maps file names to rule-file
+    contents (``groups: ...``). Rules are evaluated every ``evaluation_interval_s``.
+    """
+
+    def __init__(
+        self,
+        scrape_jobs: Sequence[Mapping[str, Any]],
+        *,
+        rule_files: Mapping[str, Mapping[str, Any]] | None = None,
+        evaluation_interval_s: float = 1.0,
+        binary: Path = PROMETHEUS_BINARY,
+        log_path: Path | None = None,
+        startup_timeout_s: float = 60.0,
+    ) -> None:
+        if not binary.is_file():
+            raise PrometheusError(f"{binary} is missing: run `make tools`")
+        self.scrape_jobs = [dict(job) for job in scrape_jobs]
+        self.rule_files = dict(rule_files or {})
+        self.evaluation_interval_s = evaluation_interval_s
+        self.binary = binary
+        self.log_path = log_path
+        self.startup_timeout_s = startup_timeout_s
+        self.port = 0
+        self.base_url = ""
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._tmp: tempfile.TemporaryDirectory[str] | None = None
+
+    def configuration(self, folder: Path) -> dict[str, Any]:
+        """prometheus.yml, with the rule files written to ``folder``."""
+        for name, groups in self.rule_files.items():
+            (folder / name).write_text(yaml.safe_dump(dict(groups), sort_keys=False))
+        interval = f"{int(self.evaluation_interval_s * 1000)}ms"
+        return {
+            "global": {"scrape_interval": interval, "evaluation_interval": interval},
+            "rule_files": [str(folder / name) for name in self.rule_files],
+            "scrape_configs": self.scrape_jobs,
+        }
+
+    def start(self) -> PrometheusServer:
+        if self._proc is not None:
+            raise RuntimeError("PrometheusServer already started")
+        self._tmp = tempfile.TemporaryDirectory(prefix="arc-prometheus-")
+        folder = Path(self._tmp.name)
+        config = folder / "prometheus.yml"
+        config.write_text(yaml.safe_dump(self.configuration(folder), sort_keys=False))
+        self.log_path = self.log_path or folder / "prometheus.log"
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        command = [
+            str(self.binary),
+            f"--config.file={config}",
+            f"--storage.tsdb.path={folder / 'data'}",
+            f"--web.listen-address=127.0.0.1:{self.port}",
+            "--log.level=warn",
+        ]
+        with open(self.log_path, "ab") as log:
+            self._proc = subprocess.Popen(
+                command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+            )
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait_ready(self) -> None:
+        assert self._proc is not None
+        deadline = time.monotonic() + self.startup_timeout_s
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                raise PrometheusError(f"prometheus exited at start-up:\n{self.log_tail()}")
+            if self.ready():
+                return
+            time.sleep(0.2)
+        raise PrometheusError(f"prometheus not ready after {self.startup_timeout_s:.0f}s")
+
+    def ready(self) -> bool:
+        """True when ``/-/ready`` answers 200 now."""
+        try:
+            # base_url is http://127.0.0.1:PORT, set in start(), never user input.
+            with urllib.request.urlopen(f"{self.base_url}/-/ready", timeout=2) as answer:  # nosec B310
+                return answer.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def log_tail(self, lines: int = 40) -> str:
+        if self.log_path is None or not self.log_path.is_file():
+            return ""
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def stop(self, timeout_s: float = 20.0) -> None:
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=timeout_s)
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    def __enter__(self) -> PrometheusServer:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    # ------------------------------------------------------------------------ HTTP API
+    def api(self, path: str, params: Mapping[str, Any] | Sequence[tuple[str, Any]] = ()) -> Any:
+        """``GET /api/v1/<path>``'s ``data``; raises PrometheusError on an error answer."""
+        query = urllib.parse.urlencode(
+            list(params.items()) if isinstance(params, Mapping) else list(params)
+        )
+        url = f"{self.base_url}/api/v1/{path}" + (f"?{query}" if query else "")
+        try:
+            # base_url is http://127.0.0.1:PORT, set in start(), never user input.
+            with urllib.request.urlopen(url, timeout=30) as answer:  # nosec B310
+                body = json.loads(answer.read())
+        except urllib.error.HTTPError as error:
+            body = json.loads(error.read() or b"{}")
+        except (urllib.error.URLError, OSError) as error:
+            raise PrometheusError(f"{url}: {error}") from error
+        if body.get("status") != "success":
+            raise PrometheusError(f"{path} {dict(params)}: {body.get('error', body)}")
+        return body["data"]
+
+    def query(self, expr: str, at: float | None = None) -> list[dict[str, Any]]:
+        """An instant query's result vector."""
+        params = {"query": expr} | ({} if at is None else {"time": f"{at:.3f}"})
+        return self.api("query", params)["result"]
+
+    def query_range(
+        self, expr: str, start: float, end: float, step_s: float
+    ) -> list[dict[str, Any]]:
+        """A range query's matrix: ``[{"metric": labels, "values": [[t, "v"], ...]}, ...]``."""
+        params = {"query": expr, "start": f"{start:.3f}", "end": f"{end:.3f}", "step": step_s}
+        return self.api("query_range", params)["result"]
+
+    def series(self, match: str, start: float, end: float) -> list[dict[str, str]]:
+        """Label sets of the series matching ``match`` between ``start`` and ``end``."""
+        return self.api(
+            "series", [("match[]", match), ("start", f"{start:.3f}"), ("end", f"{end:.3f}")]
+        )
+
+    def alerts(self) -> list[dict[str, Any]]:
+        """The alerts pending or firing now (``/api/v1/alerts``)."""
+        return self.api("alerts")["alerts"]
+
+    def wait_until(
+        self, condition: Callable[[], bool], timeout_s: float, what: str, poll_s: float = 0.5
+    ) -> None:
+        """Poll ``condition`` until it holds; raise PrometheusError naming ``what`` on timeout."""
+        deadline = time.monotonic() + timeout_s
+        while not condition():
+            if time.monotonic() > deadline:
+                raise PrometheusError(f"{what}: not seen within {timeout_s:.0f}s")
+            time.sleep(poll_s)

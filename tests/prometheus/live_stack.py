@@ -1,0 +1,165 @@
+"""Helpers of the live dashboard and alert tests: the chart's rules on a shorter clock, an alert
+recorder, and the load that causes each alert on the real vLLM server."""
+
+from __future__ import annotations
+
+import random
+import re
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import requests
+
+from arc_dev.prometheus import PrometheusError, PrometheusServer
+from arc_dev.vllm_server import VllmServer
+
+SECONDS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400}
+# A duration in a range selector ("[15m]") or after "offset".
+RULE_DURATION = re.compile(r"(\[|offset\s+)(\d+)(ms|s|m|h|d)\b")
+VOCABULARY = range(4, 1024)  # the tiny Llama's token ids, special tokens left out
+
+
+def shorter(duration: str, factor: int) -> str:
+    """``duration`` (a Prometheus duration such as ``15m``) divided by ``factor``."""
+    match = re.fullmatch(r"(\d+)(ms|s|m|h|d)", duration)
+    assert match, f"not a single-unit duration: {duration!r}"
+    milliseconds = round(int(match.group(1)) * SECONDS[match.group(2)] * 1000 / factor)
+    return f"{milliseconds // 1000}s" if milliseconds % 1000 == 0 else f"{milliseconds}ms"
+
+
+def shortened_rules(groups: Sequence[dict[str, Any]], factor: int) -> dict[str, Any]:
+    """The rule file with every duration (``for:``, range windows, offsets) divided by
+    ``factor``; thresholds, labels and the rest of each expression stay as they are."""
+    rewritten = []
+    for group in groups:
+        rules = []
+        for rule in group["rules"]:
+            rule = dict(rule)
+            rule["expr"] = RULE_DURATION.sub(
+                lambda m: m.group(1) + shorter(m.group(2) + m.group(3), factor), rule["expr"]
+            )
+            if "for" in rule:
+                rule["for"] = shorter(rule["for"], factor)
+            rules.append(rule)
+        rewritten.append(dict(group) | {"rules": rules})
+    return {"groups": rewritten}
+
+
+@dataclass(frozen=True, slots=True)
+class AlertSeen:
+    at: float
+    name: str
+    state: str  # pending or firing
+    labels: dict[str, str]
+
+
+@dataclass(slots=True)
+class AlertRecorder:
+    """Polls /api/v1/alerts in a thread and keeps every (time, alert, state) it sees."""
+
+    prometheus: PrometheusServer
+    poll_s: float = 0.5
+    seen: list[AlertSeen] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            now = time.time()
+            try:
+                alerts = self.prometheus.alerts()
+            except PrometheusError as error:
+                self.errors.append(str(error))
+                continue
+            for alert in alerts:
+                labels = dict(alert["labels"])
+                self.seen.append(AlertSeen(now, labels.pop("alertname"), alert["state"], labels))
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    def states(self, name: str, start: float, end: float) -> set[str]:
+        return {a.state for a in self.seen if a.name == name and start <= a.at <= end}
+
+    def active_between(self, start: float, end: float) -> list[AlertSeen]:
+        return [a for a in self.seen if start <= a.at <= end]
+
+    def wait_for(self, wanted: Mapping[str, str], since: float, timeout_s: float) -> None:
+        """Wait until each alert in ``wanted`` was seen in its state (or firing) after ``since``."""
+        self.prometheus.wait_until(
+            lambda: all(
+                {state, "firing"} & self.states(name, since, time.time())
+                for name, state in wanted.items()
+            ),
+            timeout_s,
+            f"alerts {dict(wanted)}",
+        )
+
+
+def complete(server: VllmServer, prompt: list[int], max_tokens: int) -> None:
+    """One non-streamed completion of token ids; raises on an error answer."""
+    body = {
+        "model": server.served_model_name,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "min_tokens": max_tokens,
+        "ignore_eos": True,
+    }
+    answer = requests.post(f"{server.base_url}/v1/completions", json=body, timeout=180,
+                           headers=server.auth_headers)  # fmt: skip
+    answer.raise_for_status()
+
+
+@contextmanager
+def steady_load(
+    server: VllmServer, prompts: Iterator[list[int]], max_tokens: int, in_flight: int
+) -> Iterator[list[str]]:
+    """``in_flight`` requests outstanding at all times until the block ends (errors listed)."""
+    stop = threading.Event()
+    lock = threading.Lock()
+    errors: list[str] = []
+
+    def loop() -> None:
+        while not stop.is_set():
+            with lock:
+                prompt = next(prompts)
+            try:
+                complete(server, prompt, max_tokens)
+            except requests.RequestException as error:
+                errors.append(str(error))
+
+    threads = [threading.Thread(target=loop, daemon=True) for _ in range(in_flight)]
+    for thread in threads:
+        thread.start()
+    try:
+        yield errors
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(timeout=180)
+
+
+def unique_prompts(tokens: int, seed: int) -> Iterator[list[int]]:
+    """Prompts that share no block with each other: nothing can hit the prefix cache."""
+    rng = random.Random(seed)
+    while True:
+        yield [rng.choice(VOCABULARY) for _ in range(tokens)]
+
+
+def shared_prefix_prompts(prefix_tokens: int, suffix_tokens: int, seed: int) -> Iterator[list[int]]:
+    """Prompts with one common prefix and a distinct short suffix each."""
+    rng = random.Random(seed)
+    prefix = [rng.choice(VOCABULARY) for _ in range(prefix_tokens)]
+    while True:
+        yield prefix + [rng.choice(VOCABULARY) for _ in range(suffix_tokens)]
