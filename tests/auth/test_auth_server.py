@@ -57,8 +57,13 @@ def trace(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+# 40 token ids: vLLM 0.32's CPU attention dies with SIGILL on some AMX hosts when the engine's
+# first prompt is 4 tokens long (8 and more work), whatever the plugin does.
+PROMPT = list(range(5, 45))
+
+
 def complete(server: VllmServer, headers: dict[str, str]) -> requests.Response:
-    body = {"model": MODEL, "prompt": [5, 6, 7, 8], "max_tokens": 2, "ignore_eos": True}
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2, "ignore_eos": True}
     return requests.post(
         f"{server.base_url}/v1/completions", json=body, headers=headers, timeout=120
     )
@@ -154,7 +159,7 @@ def test_the_key_opens_the_paths_vllm_left_open(server: VllmServer) -> None:
     assert tokenize.status_code == 200 and tokenize.json()["tokens"], tokenize.text
     invocation = requests.post(
         f"{server.base_url}/invocations",
-        json={"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 1},
+        json={"model": MODEL, "prompt": PROMPT, "max_tokens": 1},
         headers=server.auth_headers,
         timeout=120,
     )

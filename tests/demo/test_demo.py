@@ -121,7 +121,7 @@ def test_demo_trace_fits_the_server() -> None:
 
 
 # ------------------------------------------------------------------ table and gains
-def test_table_has_the_issue_columns_and_measured_next_to_predicted() -> None:
+def test_table_has_every_column_with_measured_next_to_predicted() -> None:
     runs = [make_run("lru", [0.30, 0.26, 0.20], 38, 100), make_run("arc", [0.2, 0.1, 0.3], 50, 100)]
     table = demo.comparison_table(runs, PREDICTIONS)
     header, _rule, lru, arc = table.splitlines()
