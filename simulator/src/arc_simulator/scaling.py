@@ -279,17 +279,40 @@ def plot(rows: Sequence[dict[str, Any]], trace: str, policy: str, path: Path) ->
 
 def add_scale_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = ScaleConfig()
-    parser.add_argument("--out", type=Path, default=Path("out/scale"), help="output folder")
-    parser.add_argument("--replicas", default=",".join(map(str, defaults.replicas)))
-    parser.add_argument("--cache", default=",".join(defaults.cache_sizes), help="cache sizes")
-    parser.add_argument("--router", default=",".join(defaults.routers), help="routers")
-    parser.add_argument("--policy", default=",".join(defaults.policies), help="policies")
-    parser.add_argument("--trace", default=",".join(defaults.traces), help="traces")
+    parser.add_argument(
+        "--out", type=Path, default=Path("out/scale"), help="output folder (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--replicas",
+        default=",".join(map(str, defaults.replicas)),
+        help="replica counts, comma-separated (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--cache",
+        default=",".join(defaults.cache_sizes),
+        help="per-replica: every replica holds --capacity; total: the fleet holds --capacity,"
+        " split evenly (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--router",
+        default=",".join(defaults.routers),
+        help="routers, comma-separated (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--policy",
+        default=",".join(defaults.policies),
+        help="eviction policies, comma-separated (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--trace",
+        default=",".join(defaults.traces),
+        help=f"traces, from: {', '.join(TRACES)} (default: %(default)s)",
+    )
     parser.add_argument(
         "--capacity",
         type=float,
         default=defaults.capacity_percent,
-        help="cache size, percent of the trace's distinct blocks",
+        help="cache size, percent of the trace's distinct blocks (default: %(default)s)",
     )
     parser.add_argument("--sequential", action="store_true", help="sequential mode")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random router")
