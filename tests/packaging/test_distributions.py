@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import email.parser
 import re
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -51,11 +52,18 @@ OWN_PACKAGES = {package for _, package in PRODUCTS.values()}
 @pytest.fixture(scope="module")
 def wheels(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     out = tmp_path_factory.mktemp("dist")
+    sources = tmp_path_factory.mktemp("src")
     built = {}
     for name, (folder, _) in PRODUCTS.items():
+        # A copy without build/ and egg-info: setuptools would pack stale files left there.
+        source = shutil.copytree(
+            REPO / folder,
+            sources / folder,
+            ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"),
+        )
         subprocess.run(
             [sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", str(out)],
-            cwd=REPO / folder,
+            cwd=source,
             check=True,
             capture_output=True,
         )
