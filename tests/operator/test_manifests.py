@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 from pathlib import Path
 
@@ -302,3 +303,15 @@ def test_live_children_carry_no_annotations() -> None:
     # Scanner skips belong to the audit's rendering (arc_operator.render), not to the cluster.
     for child in manifests.children("demo", "ns", parse_spec(make_spec()), PEERS):
         assert "annotations" not in child["metadata"], child["kind"]
+
+
+@pytest.mark.parametrize("module", ["crd", "rbac"])
+@pytest.mark.parametrize("argv", [["--help"], ["-o"], ["a.yaml", "b.yaml"]])
+def test_generators_refuse_bad_arguments_and_write_nothing(
+    module: str, argv: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    generator = importlib.import_module(f"arc_operator.{module}")
+    assert generator.main(argv) == 2
+    assert f"usage: python -m arc_operator.{module} [OUTPUT.yaml]" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []

@@ -14,12 +14,12 @@ false`` (the API server prunes unknown fields instead).
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 from typing import Any
 
 import yaml
 
 from arc_operator import GROUP, KIND, PLURAL, SHORT_NAMES, SINGULAR, VERSION
+from arc_operator.generated import write_or_print
 from arc_operator.models import ServingPolicySpec
 from arc_operator.status import ServingPolicyStatus
 
@@ -142,16 +142,7 @@ def render_crd() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Print the CRD, or write it to the one path given."""
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) > 1:
-        print("usage: python -m arc_operator.crd [OUTPUT.yaml]", file=sys.stderr)
-        return 2
-    text = render_crd()
-    if args:
-        Path(args[0]).write_text(text, encoding="utf-8")
-    else:
-        sys.stdout.write(text)
-    return 0
+    return write_or_print("arc_operator.crd", render_crd, argv)
 
 
 if __name__ == "__main__":

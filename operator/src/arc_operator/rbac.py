@@ -16,12 +16,12 @@ PATH`` writes them (committed at ``charts/arc-serving/files/operator-rbac-rules.
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 from typing import Any
 
 import yaml
 
 from arc_operator import GROUP, PLURAL
+from arc_operator.generated import write_or_print
 
 RULES: list[dict[str, Any]] = [
     {"apiGroups": [GROUP], "resources": [PLURAL], "verbs": ["list", "watch", "patch"]},
@@ -65,15 +65,7 @@ def allows(rules: list[dict[str, Any]], group: str, resource: str, verb: str) ->
 
 def main(argv: list[str] | None = None) -> int:
     """Print the rules, or write them to the one path given."""
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) > 1:
-        print("usage: python -m arc_operator.rbac [OUTPUT.yaml]", file=sys.stderr)
-        return 2
-    if args:
-        Path(args[0]).write_text(render_rules(), encoding="utf-8")
-    else:
-        sys.stdout.write(render_rules())
-    return 0
+    return write_or_print("arc_operator.rbac", render_rules, argv)
 
 
 if __name__ == "__main__":
