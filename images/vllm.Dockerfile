@@ -1,7 +1,8 @@
 # syntax=docker/dockerfile:1.7
 # vLLM (GPU) with the arc-evictor plugin: the official vLLM OpenAI server image, pinned to the
-# vLLM release the plugin targets, plus the plugin's two pure-Python wheels (arc-evictor and
-# the shared contracts it reads). Build from the repository root:
+# newest vLLM release the plugin supports (0.33.0; docs/plugin.md), plus the plugin's two
+# pure-Python wheels (arc-evictor and the shared contracts it reads). Build from the repository
+# root:
 #   docker build -f images/vllm.Dockerfile -t ghcr.io/arc-serving/vllm:0.1.0 .
 
 # Stage 1: the wheels (pure Python; built once, installed without dependencies).
@@ -14,7 +15,7 @@ RUN python -m build --wheel --outdir /dist common \
     && python -m build --wheel --outdir /dist evictor
 
 # Stage 2: the serving image. The base brings vllm, torch and prometheus-client.
-FROM vllm/vllm-openai:v0.32.0
+FROM vllm/vllm-openai:v0.33.0
 COPY --from=wheel /dist/ /tmp/dist/
 RUN python3 -m pip install --no-cache-dir --no-deps /tmp/dist/*.whl \
     && rm -rf /tmp/dist \

@@ -1,20 +1,33 @@
-"""Builders for the unit tests: vLLM's real KVCacheManager over a PolicyBlockPool.
+"""Builders for the unit tests: vLLM's real KVCacheManager over a PolicyBlockPool or vLLM's own.
 
-``Engine`` plays the scheduler's part for one request at a time or several at once: it looks
-up the prefix cache, allocates slots for the whole prompt, caches the blocks, then frees.
+``kv_cache_config`` builds the KV cache layouts the tests drive, the way vLLM's own
+``tests/v1/core/test_prefix_caching.py`` does (``make_kv_cache_config_hybrid_model``): one group
+per attention type, each with its own layer. ``admit`` plays the scheduler's part for one
+request: it looks up the prefix cache, then allocates slots for the whole prompt.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 from vllm import SamplingParams
 from vllm.utils.hashing import sha256
+from vllm.v1.core import kv_cache_coordinator
+from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.kv_cache_interface import (
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheSpec,
+    MambaSpec,
+    SlidingWindowSpec,
+)
 from vllm.v1.request import Request
 
 from arc_evictor.vllm_plugin import patches
@@ -24,36 +37,87 @@ init_none_hash(sha256)
 _ids = itertools.count()
 
 
-def kv_cache_config(num_blocks: int, block_size: int) -> KVCacheConfig:
-    spec = FullAttentionSpec(
-        block_size=block_size, num_kv_heads=1, head_size=32, dtype=torch.float32
-    )
-    return KVCacheConfig(
-        num_blocks=num_blocks,
-        kv_cache_tensors=[],
-        kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec)],
-    )
+# Layouts the plugin drives, by name: the attention type of each KV cache group.
+SUPPORTED_LAYOUTS = ("full", "swa", "full+swa", "full+chunked", "full+swa+chunked")
+REFUSED_LAYOUTS = ("full+mamba",)
 
 
-def make_manager(policy: str, num_blocks: int, block_size: int = 4) -> KVCacheManager:
-    """A real KVCacheManager whose pool evicts by ``policy`` (the plugin installed)."""
+def group_spec(kind: str, block_size: int) -> KVCacheSpec:
+    """One group's spec, as vLLM's tests build them: 1 head of 32, windows of 2 and 4 blocks."""
+    common = {"block_size": block_size, "num_kv_heads": 1, "head_size": 32, "dtype": torch.float32}
+    if kind == "full":
+        return FullAttentionSpec(**common)
+    if kind == "swa":
+        return SlidingWindowSpec(**common, sliding_window=2 * block_size)
+    if kind == "chunked":
+        return ChunkedLocalAttentionSpec(**common, attention_chunk_size=4 * block_size)
+    if kind == "mamba":
+        return MambaSpec(
+            block_size=block_size,
+            shapes=((1, 32),),
+            dtypes=(torch.float32,),
+            mamba_cache_mode="align",  # vLLM 0.33 caches Mamba state only in this mode
+        )
+    raise ValueError(f"unknown group kind {kind!r}: expected full, swa, chunked or mamba")
+
+
+def kv_cache_config(num_blocks: int, block_size: int, layout: str = "full") -> KVCacheConfig:
+    """A KV cache config with one group per ``+``-separated kind of ``layout``."""
+    groups = [
+        KVCacheGroupSpec([f"layer.{i}"], group_spec(kind, block_size))
+        for i, kind in enumerate(layout.split("+"))
+    ]
+    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
+
+
+@contextmanager
+def stock_pools() -> Iterator[None]:
+    """Managers built inside get vLLM's own BlockPool (the plugin stays installed)."""
+    patched = kv_cache_coordinator.BlockPool
+    kv_cache_coordinator.BlockPool = BlockPool  # type: ignore[misc]
+    try:
+        yield
+    finally:
+        kv_cache_coordinator.BlockPool = patched  # type: ignore[misc]
+
+
+def make_manager(
+    policy: str | None,
+    num_blocks: int,
+    block_size: int = 4,
+    layout: str = "full",
+    events: bool = False,
+) -> KVCacheManager:
+    """A real KVCacheManager whose pool evicts by ``policy`` (the plugin installed), or
+    vLLM's own pool for ``policy=None``; ``events`` turns vLLM's KV cache events on."""
+    kwargs = {
+        "max_model_len": num_blocks * block_size,
+        "scheduler_block_size": block_size,
+        "hash_block_size": block_size,
+        "enable_caching": True,
+        "enable_kv_cache_events": events,
+    }
+    config = kv_cache_config(num_blocks, block_size, layout)
+    if policy is None:
+        with stock_pools():
+            manager = KVCacheManager(config, **kwargs)
+        assert not isinstance(manager.block_pool, PolicyBlockPool)
+        return manager
     patches.set_policy_name(policy)
-    manager = KVCacheManager(
-        kv_cache_config(num_blocks, block_size),
-        max_model_len=num_blocks * block_size,
-        scheduler_block_size=block_size,
-        hash_block_size=block_size,
-        enable_caching=True,
-    )
+    manager = KVCacheManager(config, **kwargs)
     assert isinstance(manager.block_pool, PolicyBlockPool)
     return manager
 
 
-def make_request(tokens: Sequence[int], block_size: int) -> Request:
+def make_request(
+    tokens: Sequence[int], block_size: int, prompt_logprobs: bool = False, request_id: str = ""
+) -> Request:
+    """A request for ``tokens``; with ``prompt_logprobs`` vLLM skips reading the prefix cache."""
+    sampling = SamplingParams(max_tokens=1, prompt_logprobs=1 if prompt_logprobs else None)
     return Request(
-        request_id=f"r{next(_ids)}",
+        request_id=request_id or f"r{next(_ids)}",
         prompt_token_ids=list(tokens),
-        sampling_params=SamplingParams(max_tokens=1),
+        sampling_params=sampling,
         pooling_params=None,
         block_hasher=get_request_block_hasher(block_size, sha256),
     )

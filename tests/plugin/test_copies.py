@@ -1,4 +1,4 @@
-"""Keys decided after allocation (decode fills a block), second copies of a key, pending keys.
+"""Keys decided after allocation (decode fills a block), further copies of a key, pending keys.
 
 These are the policy pool's rare paths: the hot loops hand them to helpers, so each gets its own
 behaviour test with the pool's invariants recounted after every step.
@@ -11,7 +11,11 @@ import random
 import pytest
 from harness import admit, make_manager, make_request
 from vllm.v1.core.kv_cache_manager import KVCacheManager
-from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id, resolve_block_hashes
+from vllm.v1.core.kv_cache_utils import (
+    KVCacheBlock,
+    make_block_hash_with_group_id,
+    resolve_block_hashes,
+)
 from vllm.v1.request import Request
 
 from arc_evictor.policies import policy_names
@@ -59,30 +63,40 @@ def test_block_filled_by_decode_is_cached_and_hit_later(policy: str) -> None:
     pool.verify()
 
 
+def copies_in_vllm(manager: KVCacheManager, block_hash: bytes) -> int:
+    """How many blocks vLLM's prefix-cache map holds for ``block_hash`` (group 0)."""
+    cached = manager.block_pool.cached_block_hash_to_block._cache.get(
+        make_block_hash_with_group_id(block_hash, 0)
+    )
+    return 0 if cached is None else 1 if isinstance(cached, KVCacheBlock) else len(cached)
+
+
 @pytest.mark.parametrize("policy", POLICIES)
-def test_decoded_block_replaces_an_idle_cached_copy_of_its_key(policy: str) -> None:
+def test_decoded_block_with_an_idle_cached_key_becomes_a_second_copy(policy: str) -> None:
     manager = make_manager(policy, num_blocks=16, block_size=BS)
     pool = manager.block_pool
     text = tokens(2, 8)
     first = make_request([*text, 5], BS)
     admit(manager, first)
     manager.free(first)
-    old_copy = manager.block_pool.get_cached_block(first.block_hashes[1], [0])
+    (old_copy,) = pool.get_cached_block(first.block_hashes[1], [0]) or [None]
     assert old_copy is not None
     second = make_request(text[:6], BS)
     assert admit(manager, second) == 1
     decode(manager, second, text[6:8])
-    # The held block took the key over; the idle copy went back to the free queue, unhashed.
-    assert old_copy[0].block_hash is None and old_copy[0].ref_cnt == 0
-    assert len(pool.policy) == 2
+    # As in vLLM, the idle copy stays cached and evictable; the filled block is a second
+    # copy with its own policy entry.
+    assert old_copy.block_hash is not None and old_copy.ref_cnt == 0
+    assert copies_in_vllm(manager, first.block_hashes[1]) == 2
+    assert len(pool.policy) == 3
     manager.free(second)
     pool.verify()
     assert probe_hits(manager, [*text, 6]) == 2
 
 
 @pytest.mark.parametrize("policy", POLICIES)
-def test_second_copies_stay_while_held_and_a_survivor_keeps_the_key(policy: str) -> None:
-    manager = make_manager(policy, num_blocks=16, block_size=BS)
+def test_each_copy_is_released_and_evicted_on_its_own(policy: str) -> None:
+    manager = make_manager(policy, num_blocks=12, block_size=BS)
     pool = manager.block_pool
     text = tokens(3, 8)
     holder = make_request([*text, 5], BS)
@@ -91,15 +105,21 @@ def test_second_copies_stay_while_held_and_a_survivor_keeps_the_key(policy: str)
     for request in copies:
         assert admit(manager, request) == 1
         decode(manager, request, text[6:8])  # a second, then a third copy of the held key
-    assert len(pool.policy) == 2
-    manager.free(holder)  # the primary goes; the oldest copy takes its place
+    assert len(pool.policy) == 4 and copies_in_vllm(manager, holder.block_hashes[1]) == 3
+    for request in (holder, *copies):
+        manager.free(request)
+        pool.verify()
+    assert len(pool.policy) == 4 and pool.get_num_free_blocks() == 11
+    # Unique prompts fill the pool: each eviction removes one copy, and the prefix stays a
+    # hit while one is left.
+    fillers = iter(range(100, 150))
+    key = holder.block_hashes[1]
+    while copies_in_vllm(manager, key) == 3:
+        probe_hits(manager, tokens(next(fillers), BS))  # one block each
+    assert copies_in_vllm(manager, key) == 2
     pool.verify()
-    manager.free(copies[0])
-    pool.verify()
-    manager.free(copies[1])  # the last copy stays cached, now evictable
-    pool.verify()
-    assert len(pool.policy) == 2 and pool.get_num_free_blocks() == 15
     assert probe_hits(manager, [*text, 6]) == 2
+    pool.verify()
 
 
 @pytest.mark.parametrize("policy", POLICIES)

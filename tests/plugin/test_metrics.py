@@ -3,7 +3,10 @@ metrics unchanged by the plugin."""
 
 from __future__ import annotations
 
+import gc
+import json
 import random
+from pathlib import Path
 
 import pytest
 from harness import admit, kv_cache_config, make_manager, make_request
@@ -13,7 +16,9 @@ from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.kv_cache_metrics import KVCacheMetricsCollector
 
+from arc_evictor.vllm_plugin import PluginRuntime
 from arc_evictor.vllm_plugin.block_pool import PolicyBlockPool
+from arc_evictor.vllm_plugin.config import Settings
 from arc_evictor.vllm_plugin.metrics import PluginMetrics
 from arc_evictor.vllm_plugin.patches import set_policy_name
 
@@ -95,3 +100,26 @@ def test_vllm_kv_cache_eviction_events_match_the_native_pool(
         run(manager, range(12))
         events[kind] = len(collector.drain_events())
     assert events["plugin"] == events["native"] > 0
+
+
+def test_a_live_switch_publishes_the_outgoing_policys_last_counts(tmp_path: Path) -> None:
+    """The engine's step hook: evictions made just before a file-driven switch still count."""
+    gc.collect()  # pools of earlier tests must not share this runtime's registry
+    policy_file = tmp_path / "policy.json"
+    policy_file.write_text(json.dumps({"policy": "lru"}), encoding="utf-8")
+    runtime = PluginRuntime(Settings(policy="lru", config_path=policy_file, poll_seconds=0.0))
+    registry = CollectorRegistry()
+    runtime.metrics = PluginMetrics(registry)
+    manager = make_manager("lru", num_blocks=7, block_size=BS)
+    pool = manager.block_pool
+    runtime.on_step()
+
+    run(manager, range(10))  # this step evicts; the next step's hook publishes it
+    evicted = pool.policy.counters.evictions["lru"]
+    assert evicted > 0
+    policy_file.write_text(json.dumps({"policy": "arc"}), encoding="utf-8")
+    runtime.on_step()
+
+    assert pool.policy.name == "arc"
+    assert registry.get_sample_value("arc_evictor_evictions_total", {"list": "lru"}) == evicted
+    assert registry.get_sample_value("arc_evictor_policy_switches_total") == 1

@@ -2,21 +2,28 @@
 
 from __future__ import annotations
 
+import re
 import sys
 
 import pytest
 import vllm
 
 import arc_evictor.vllm_plugin as plugin
-from arc_evictor.vllm_plugin.version import UnsupportedVllmError, check_vllm_version
+from arc_evictor.vllm_plugin.version import UnsupportedVllmError, check_vllm_version, vllm_series
 
 
-def test_unsupported_vllm_version_is_refused_with_a_clear_message() -> None:
-    with pytest.raises(
-        UnsupportedVllmError, match=r"supports vLLM 0\.32\.\* .*found vLLM 0\.31\.1"
-    ):
-        check_vllm_version("0.31.1")
-    check_vllm_version()  # the installed vLLM is the supported one
+@pytest.mark.parametrize("version", ["0.31.1", "0.34.0", "1.32.0", "0.3.2"])
+def test_unsupported_vllm_version_is_refused_with_a_clear_message(version: str) -> None:
+    message = rf"supports vLLM 0\.32\.\*, 0\.33\.\* .*found vLLM {re.escape(version)}\."
+    with pytest.raises(UnsupportedVllmError, match=message):
+        check_vllm_version(version)
+
+
+@pytest.mark.parametrize(("version", "series"), [("0.32.0", "0.32"), ("0.33.0", "0.33"),
+                                                 ("0.33.1rc1", "0.33")])  # fmt: skip
+def test_each_supported_release_maps_to_its_series(version: str, series: str) -> None:
+    assert vllm_series(version) == series
+    check_vllm_version()  # the installed vLLM is a supported one
 
 
 def test_register_checks_the_version_before_importing_vllm_internals(

@@ -26,8 +26,8 @@ import arc_dev.bench.plugin as bench_plugin
 import arc_evictor.vllm_plugin as plugin
 from arc_evictor.vllm_plugin import patches
 from arc_evictor.vllm_plugin.block_pool import PolicyBlockPool
-from arc_evictor.vllm_plugin.patches import VLLM_INTERNALS, VllmInternal
-from arc_evictor.vllm_plugin.version import SUPPORTED_VLLM, TARGET_VLLM
+from arc_evictor.vllm_plugin.patches import VLLM_INTERNALS, VLLM_INTERNALS_BY_SERIES, VllmInternal
+from arc_evictor.vllm_plugin.version import SUPPORTED_VLLM, TARGET_VLLM, vllm_series
 
 PLUGIN_DIR = Path(plugin.__file__).parent
 
@@ -117,11 +117,16 @@ def defined_in_source(owner: str, name: str) -> bool:
 
 
 def test_the_table_names_the_vllm_version_the_plugin_accepts() -> None:
-    assert VLLM_INTERNALS.vllm_version == TARGET_VLLM
-    assert TARGET_VLLM.startswith(SUPPORTED_VLLM) and vllm.__version__.startswith(SUPPORTED_VLLM)
-    keys = [(entry.owner, entry.name) for entry in VLLM_INTERNALS.entries]
-    assert len(keys) == len(set(keys)), "an entry is listed twice"
-    assert all(entry.use for entry in VLLM_INTERNALS.entries)
+    series = vllm_series()
+    assert VLLM_INTERNALS is VLLM_INTERNALS_BY_SERIES[series]
+    assert VLLM_INTERNALS.vllm_version == TARGET_VLLM[series]
+    assert set(VLLM_INTERNALS_BY_SERIES) == set(TARGET_VLLM)
+    for table in VLLM_INTERNALS_BY_SERIES.values():
+        assert table.vllm_version.startswith(SUPPORTED_VLLM)
+        keys = [(entry.owner, entry.name) for entry in table.entries]
+        assert len(keys) == len(set(keys)), "an entry is listed twice"
+        assert all(entry.use for entry in table.entries)
+    assert VLLM_INTERNALS_BY_SERIES["0.33"].changes  # what moved since 0.32, and how
 
 
 def test_every_private_vllm_attribute_the_plugin_reads_or_calls_is_listed() -> None:

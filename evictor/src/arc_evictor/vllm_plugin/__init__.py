@@ -86,7 +86,8 @@ class PluginRuntime:
 
         Once per step is enough: every block-pool change of a step (hits, allocations, frees
         at ``update_from_output``) is published by the next step's call, and vLLM runs one more
-        step after the last request finishes, to clear it from the batch.
+        step after the last request finishes, to clear it from the batch. Before a switch the
+        outgoing policy's counts are published first: the new policy's counters start at zero.
         """
         from arc_evictor.vllm_plugin import patches
 
@@ -97,7 +98,12 @@ class PluginRuntime:
             if error:
                 logger.error("arc_evictor: %s", error)
             if name is not None:
+                self.publish(pools)
                 self.switch(name, pools)
+        self.publish(pools)
+
+    def publish(self, pools: list[PolicyBlockPool]) -> None:
+        """Add each pool's policy counts since the previous call to the Prometheus metrics."""
         if self.metrics is not None:
             for pool in pools:
                 self.metrics.sync(pool)
@@ -120,7 +126,8 @@ class PluginRuntime:
             elapsed_ms = (time.perf_counter() - started) * 1000
             kept = sum(1 for key in before if key in new)
             cached = pool.prefix_cache_keys()
-            tracked = sum(1 for key in cached if key in new)
+            resident = pool.resident_hashes(new)
+            tracked = sum(1 for key in cached if key in resident)
             logger.info(SWITCH_LOG, old.describe(), new.describe(), kept, len(before),
                         tracked, len(cached), elapsed_ms)  # fmt: skip
         patches.set_policy_name(name)

@@ -1,10 +1,13 @@
-"""A policy-driven ``BlockPool`` for vLLM 0.32, and standalone pools built the same way.
+"""A policy-driven ``BlockPool`` for vLLM 0.32 and 0.33, and standalone pools built the same way.
 
 ``PolicyBlockPool`` subclasses vLLM's ``BlockPool`` and replaces the unnamed queue-position
-eviction order with an ``EvictionPolicy`` keyed by block hash (``BlockHashWithGroupId``).
-Keying by hash, not by block id, is what lets ARC's ghost lists recognise a prefix that was
-evicted and comes back in another block, and what makes the plugin's decisions equal to the
-simulator's (``arc_simulator.pool.BlockPool``) on the same trace.
+eviction order with an ``EvictionPolicy`` keyed by block hash (``BlockHashWithGroupId``, which
+carries the KV cache group: one policy serves every group of vLLM's shared pool). Keying by
+hash, not by block id, is what lets ARC's ghost lists recognise a prefix that was evicted and
+comes back in another block, and what makes the plugin's decisions equal to the simulator's
+(``arc_simulator.pool.BlockPool``) on the same trace. Everything but the choice of victim is
+vLLM's own: with ``lru`` the pool hands out the blocks vLLM's free queue would, in its order,
+with its KV events (``docs/plugin.md``, "Equal to vLLM").
 
 The vLLM internals this module relies on (private attributes of ``BlockPool``,
 ``KVCacheBlock`` and ``BlockHashToBlockMap``, and the ``BlockPool`` methods it overrides) are
@@ -20,6 +23,7 @@ vLLM internals itself.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -36,23 +40,30 @@ from vllm.v1.core.kv_cache_utils import (
 from vllm.v1.request import Request
 
 from arc_evictor.policies import EvictionPolicy, make_policy
-from arc_evictor.vllm_plugin.version import UnsupportedVllmError
+from arc_evictor.vllm_plugin.version import UnsupportedVllmError, vllm_series
 
 # BlockPool, KVCacheBlock and Request are vLLM's, exported for the type hints of callers that
 # drive a pool through the helpers below.
 __all__ = [
     "Allocation",
     "BlockPool",
+    "Entry",
     "KVCacheBlock",
     "Key",
     "PolicyBlockPool",
     "Request",
     "build_block_pool",
     "get_new_blocks_for",
+    "hash_of",
     "request_builder",
 ]
 
 Key = BlockHashWithGroupId
+# What the policy orders: the key for a key's first copy, (key, serial) for a further copy.
+Entry = Key | tuple[Key, int]
+# vLLM 0.32's touch and free_blocks count the null block's references; 0.33's skip it
+# (its ref_cnt "is not maintained"). The pool does what the installed vLLM does.
+NULL_BLOCK_REFCOUNTED = vllm_series() == "0.32"
 
 
 class Allocation:
@@ -91,29 +102,36 @@ class Allocation:
         return keys
 
 
+def hash_of(entry: Entry) -> Key:
+    """The prefix-cache key (``BlockHashWithGroupId``) a policy entry stands for."""
+    return entry if isinstance(entry, bytes) else entry[0]
+
+
 class PolicyBlockPool(BlockPool):
     """vLLM's ``BlockPool`` with every eviction decision made by an ``EvictionPolicy``.
 
+    The policy orders *entries*, one per block that holds (or is pending for) a prefix-cache
+    key: the first copy of a key is the key itself, a further copy is ``(key, serial)``. vLLM
+    keeps copies as they are (``BlockHashToBlockMap``, NOTE #1: block tables are append-only),
+    so each copy is released, hit and evicted on its own, as in vLLM's free queue.
+
     Where blocks live (vLLM's own free queue keeps only blocks without a hash):
 
-    - ``free_block_queue``: free blocks without a hash, reused first, LIFO as vLLM does;
-    - ``_primary[key]``: the block holding ``key`` that vLLM's ``get_one_block`` returns, for
-      every resident policy key; ``_spare[key]``: the further copies, oldest first (rare, so
-      the common path keeps no list per key); ``_key_of[block_id]``: the key a block holds or
-      is pending for;
-    - a free block with a hash is the only copy of an unpinned resident key: the policy names
-      it when it is to be evicted. A second copy of a key (vLLM recomputed a block another
-      request holds) is dropped from the prefix cache as soon as its last user releases it.
+    - ``free_block_queue``: free blocks without a hash, in vLLM's order (reused first, LIFO);
+    - ``_block_of[entry]``: the block of every resident policy entry; ``_key_of[block_id]``:
+      the entry a block holds or is pending for (None: no key);
+    - a free block with a hash is an unpinned resident entry: the policy names it when it is
+      to be evicted.
 
     Invariants (``verify`` recounts them):
 
     - apart from the null block, a block has ``ref_cnt == 0`` exactly when it is in the free
-      queue (no hash) or it is the single copy of an unpinned resident key;
+      queue (no hash) or its entry is resident and unpinned (it has a hash);
     - ``get_num_free_blocks() == free_block_queue.num_free_blocks + _num_evictable`` is the
       number of non-null blocks with ``ref_cnt == 0`` (the scheduler admits requests by it);
-    - the policy's resident keys are exactly the keys of ``_primary``; a key is pinned in the
-      policy exactly when its primary copy has ``ref_cnt > 0``; a key with spare copies has
-      every copy held; ``_key_of`` maps back exactly the primary, spare and pending blocks.
+    - the policy's resident keys are exactly the keys of ``_block_of``; ``_key_of`` maps each
+      of their blocks back to its entry and no other block to anything; every (key, block) of
+      vLLM's prefix-cache map is a resident entry's block with that key.
 
     ``BlockPool`` calls mapped onto the policy's call protocol (``arc_evictor.policies.base``;
     ``docs/plugin.md``):
@@ -121,38 +139,41 @@ class PolicyBlockPool(BlockPool):
     - ``touch`` (ref 0 -> 1 of a cached block: a committed hit): the request's cached prefix,
       tail first (vLLM passes it head first), each block ``pin`` then ``find`` (a policy never
       re-orders a block ``pin`` takes out);
-    - ``get_new_blocks``: knows the incoming keys of the request being allocated (its
-      ``Allocation``) and runs the order of the simulator's ``arc_simulator.pool.BlockPool.take``:
-      first every incoming key already resident is taken (its free copy is handed back to the
-      request, so no duplicate is made), then each miss, tail first, is ``find`` ->
-      (``to_evict`` + ``evict`` while no block without a hash is free) -> ``insert``;
-    - ``cache_full_blocks``: a block gets its hash; the key was inserted at allocation, or is
-      inserted now when the allocation had no key for it;
+    - ``get_new_blocks``: each new block, tail first: ``find`` -> (``to_evict`` + ``evict``
+      while no block without a hash is free) -> ``insert``, where the incoming key is known
+      from the request being allocated (its ``Allocation``). The blocks are taken in vLLM's
+      free-queue order and handed out head first, as ``popleft_n`` does, so with ``lru`` the
+      block ids, their order and the KV events are vLLM's own;
+    - ``cache_full_blocks``: a block gets its hash; its entry was inserted at allocation, or
+      is inserted now when the allocation had no key for it;
     - ``free_blocks``: ref 1 -> 0: ``unpin`` in vLLM's order (tail first);
     - ``evict_blocks`` / ``reset_prefix_cache``: ``remove`` / ``clear``.
 
     Cost: per block the hot paths (``touch``, ``get_new_blocks``, ``free_blocks``) do what
     vLLM's free queue does plus one list read of ``_key_of`` and the policy calls of the
-    protocol (``arc_dev.bench.plugin`` measures both); the rare cases (second copies, keys
-    that were never cached) leave the loop for helper methods.
+    protocol (``arc_dev.bench.plugin`` measures both).
     """
 
     def __init__(self, *args: Any, policy_name: str, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        # Cacheable capacity: every block but the null block.
+        # Cacheable capacity: every block but the null block, so every copy fits.
         self.policy: EvictionPolicy = make_policy(policy_name, self.num_gpu_blocks - 1)
-        # Owned here; the keys of ``_primary`` are exactly the policy's resident keys, so the
+        # Owned here; the keys of ``_block_of`` are exactly the policy's resident keys, so the
         # pool tests residency with a dict lookup instead of a policy call.
-        self._primary: dict[Key, KVCacheBlock] = {}  # the copy vLLM's get_one_block returns
-        self._spare: dict[Key, list[KVCacheBlock]] = {}  # further copies, all held; rare
-        # Owned here: block id -> the key the block holds or is pending for (None: no key).
-        self._key_of: list[Key | None] = [None] * self.num_gpu_blocks
-        self._num_evictable = 0  # unpinned resident keys = free blocks that hold a hash
+        self._block_of: dict[Entry, KVCacheBlock] = {}
+        # Owned here: block id -> the entry the block holds or is pending for (None: no key).
+        self._key_of: list[Entry | None] = [None] * self.num_gpu_blocks
+        self._copies = itertools.count(1)  # serials of further copies' entries
+        self._num_evictable = 0  # unpinned resident entries = free blocks that hold a hash
         self.allocation: Allocation | None = None  # owned by the manager wrappers
         # Plugin counters (metrics read them): committed hits, queried blocks, switches.
         self.block_hits = 0
         self.block_queries = 0
         self.policy_switches = 0
+
+    def _entry_for(self, key: Key) -> Entry:
+        """The entry a new block holding ``key`` gets: the key, or a copy's if it is taken."""
+        return (key, next(self._copies)) if key in self._block_of else key
 
     # ----------------------------------------------------------------- free-block accounting
     def get_num_free_blocks(self) -> int:
@@ -165,20 +186,20 @@ class PolicyBlockPool(BlockPool):
         hits = pinned = 0
         # vLLM passes the prefix head first; the protocol (and the simulator) take it tail first.
         for block in reversed(blocks):
-            key = key_of[block.block_id]
-            if key is None:
+            entry = key_of[block.block_id]
+            if entry is None:
                 if block.is_null:
-                    block.ref_cnt += 1
+                    if NULL_BLOCK_REFCOUNTED:
+                        block.ref_cnt += 1
                     continue
                 if block.ref_cnt == 0:
                     self.free_block_queue.remove(block)
             else:
                 if block.ref_cnt == 0:
-                    # Only a single, unpinned copy can be free (class invariant). The
-                    # protocol pins a cached key before its find.
-                    pin(key)
+                    # The protocol pins a cached entry before its find.
+                    pin(entry)
                     pinned += 1
-                find(key)
+                find(entry)
                 hits += 1
             block.ref_cnt += 1
             if metrics:
@@ -192,61 +213,36 @@ class PolicyBlockPool(BlockPool):
         if num_blocks > self.get_num_free_blocks():
             raise ValueError(f"Cannot get {num_blocks} free blocks from the pool")
         allocation = self.allocation
-        if allocation is None:
+        if allocation is None or not self.enable_caching:
             keys: list[Key | None] = [None] * num_blocks
         else:
-            keys = (
-                allocation.keys(self.hash_block_size, num_blocks)
-                if self.enable_caching
-                else [None] * num_blocks
-            )
+            keys = allocation.keys(self.hash_block_size, num_blocks)
+        if allocation is not None:
             # Later calls in the same allocation (another group, a CoW block) get no keys.
             allocation.start = None
-        policy, primaries, key_of = self.policy, self._primary, self._key_of
+        policy, block_of, key_of = self.policy, self._block_of, self._key_of
         find, metrics = policy.find, self.metrics_collector
-        out: list[KVCacheBlock | None] = [None] * num_blocks
-        # Pass 1, tail first: incoming keys already resident are taken before any eviction.
-        misses: list[int] = []
-        for i in range(num_blocks - 1, -1, -1):
-            key = keys[i]
-            primary = primaries.get(key)  # type: ignore[arg-type]  (None is never a key)
-            if primary is None:
-                misses.append(i)
-            elif primary.ref_cnt == 0:
-                # The free copy holds exactly the KV the request would recompute: hand it
-                # back (out of the prefix cache until cache_full_blocks re-hashes it).
-                policy.pin(key)
-                find(key)
-                self._num_evictable -= 1
-                self._maybe_evict_cached_block(primary)
-                primary.ref_cnt = 1
-                if metrics:
-                    metrics.on_block_allocated(primary)
-                out[i] = primary
-            else:
-                find(key)
-                keys[i] = None  # held elsewhere: this block becomes a second copy if cached
-                misses.append(i)
-        # Pass 2, tail first: the misses, each making room before it is inserted.
         queue = self.free_block_queue
         # vLLM reports every block it reuses with caching on as evicted from its KV cache
         # metrics (a no-op for blocks it does not sample); the plugin keeps that.
         reused = metrics if self.enable_caching else None
+        entries: list[Entry | None] = [None] * num_blocks
+        taken: list[KVCacheBlock] = []  # in vLLM's free-queue order: head first
         evicted = 0
-        for i in misses:
+        # Tail first, as the protocol (and the simulator) goes; the keys of one call are
+        # distinct (chained hashes of one group), so only older entries can be taken.
+        for i in range(num_blocks - 1, -1, -1):
             key = keys[i]
-            if key is not None:
-                if key in primaries:
-                    key = None  # a key this pass already inserted: a second copy
-                else:
-                    find(key)  # a ghost hit adapts ARC's target before the victim is chosen
+            entry = None if key is None else self._entry_for(key)
+            if entry is not None:
+                find(entry)  # a ghost hit adapts ARC's target before the victim is chosen
             if queue.num_free_blocks:
                 block = queue.popleft()
                 if reused:
                     reused.on_block_evicted(block)
             else:
-                # No block without a hash is free: evict the policy's victim. An unpinned key
-                # has a single copy (class invariant), so there is no spare to promote.
+                # No block without a hash is free: evict the policy's victim (never an entry
+                # of this call: those are inserted pinned).
                 victim = policy.to_evict()
                 if victim is None:
                     self._num_evictable -= evicted
@@ -255,47 +251,29 @@ class PolicyBlockPool(BlockPool):
                         f"{self._num_evictable} evictable blocks counted"
                     )
                 policy.evict(victim)
-                block = primaries.pop(victim)
+                block = block_of.pop(victim)
                 key_of[block.block_id] = None
                 evicted += 1
                 # vLLM's own eviction path: BlockRemoved events and KV cache metrics fire.
                 self._maybe_evict_cached_block(block)
-            if key is not None:
-                policy.insert(key)
-                primaries[key] = block
-                key_of[block.block_id] = key
+            if entry is not None:
+                policy.insert(entry)
+                entries[i] = entry
+            taken.append(block)
+        self._num_evictable -= evicted
+        if self._reuse_watchers:
+            self._notify_reuse(taken)
+        # Handed out in the order taken, as vLLM's popleft_n does: block i of the request is
+        # the i-th block taken from the free queue.
+        for block, entry in zip(taken, entries, strict=True):
+            if entry is not None:
+                block_of[entry] = block
+                key_of[block.block_id] = entry
             assert block.ref_cnt == 0, f"block {block.block_id} handed out with refs"
             block.ref_cnt = 1
             if metrics:
                 metrics.on_block_allocated(block)
-            out[i] = block
-        self._num_evictable -= evicted
-        blocks: list[KVCacheBlock] = out  # type: ignore[assignment]
-        if self._reuse_watchers:
-            self._notify_reuse(blocks)
-        return blocks
-
-    def _drop_copy(self, block: KVCacheBlock, key: Key) -> bool:
-        """Forget that ``block`` holds ``key`` (its hash is untouched); True if it was the last.
-
-        When the primary goes and spares remain, the oldest spare becomes the primary, as in
-        vLLM's hash map.
-        """
-        self._key_of[block.block_id] = None
-        if self._primary[key] is not block:
-            spares = self._spare[key]
-            spares.remove(block)
-            if not spares:
-                del self._spare[key]
-            return False
-        spares = self._spare.pop(key, None)
-        if spares is None:
-            del self._primary[key]
-            return True
-        self._primary[key] = spares.pop(0)
-        if spares:
-            self._spare[key] = spares
-        return False
+        return taken
 
     # --------------------------------------------------------------------------- caching
     def cache_full_blocks(
@@ -325,88 +303,59 @@ class PolicyBlockPool(BlockPool):
             if key is None:
                 continue  # the null block, or masked out
             known = key_of[block.block_id]
-            if known == key:
-                continue  # inserted (or re-taken) at allocation
             if known is not None:
-                self._forget_pending(block, known)
-            self._adopt(block, key)
-
-    def _adopt(self, block: KVCacheBlock, key: Key) -> None:
-        """``block`` (held) just got hash ``key`` without an allocation-time decision."""
-        policy = self.policy
-        primary = self._primary.get(key)
-        self._key_of[block.block_id] = key
-        if primary is None:
-            policy.find(key)
-            if len(policy) >= policy.capacity:
+                if hash_of(known) == key:
+                    continue  # inserted at allocation
+                self._drop_entry(block, known)
+            # A key decided after allocation (no Allocation, or not the predicted one).
+            entry = self._entry_for(key)
+            self.policy.find(entry)
+            if len(self.policy) >= self.policy.capacity:
                 raise RuntimeError(f"policy full while caching block {block.block_id}")
-            policy.insert(key)
-            self._primary[key] = block
-            return
-        if primary.ref_cnt == 0:
-            # The old copy is free and now redundant: the held block becomes the primary.
-            policy.pin(key)
-            policy.find(key)
-            self._num_evictable -= 1
-            self._primary[key] = block
-            self._key_of[primary.block_id] = None
-            self._drop_hashes(primary)
-            self.free_block_queue.append(primary)
-        else:
-            self._spare.setdefault(key, []).append(block)
+            self.policy.insert(entry)
+            self._block_of[entry] = block
+            key_of[block.block_id] = entry
 
-    def _drop_hashes(self, block: KVCacheBlock) -> None:
-        """Take ``block`` out of vLLM's prefix-cache map (events fire); keys untouched."""
-        self._maybe_evict_cached_block(block)
-
-    def _forget_pending(self, block: KVCacheBlock, key: Key) -> None:
-        """``block`` will not hold ``key`` after all: drop it from the key's copies."""
-        if self._drop_copy(block, key):
-            # The key was inserted for this (held) block and never cached: it leaves the policy.
-            self.policy.unpin(key)
-            self.policy.remove(key)
+    def _drop_entry(self, block: KVCacheBlock, entry: Entry) -> None:
+        """Held ``block`` no longer stands for ``entry``: the entry leaves the policy."""
+        del self._block_of[entry]
+        self._key_of[block.block_id] = None
+        self.policy.unpin(entry)
+        self.policy.remove(entry)
 
     # --------------------------------------------------------------------------- release
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         evict_first: list[KVCacheBlock] = []
         other_pools: dict[BlockPool, list[KVCacheBlock]] = {}
-        key_of, spare, unpin = self._key_of, self._spare, self.policy.unpin
+        key_of, unpin = self._key_of, self.policy.unpin
         released = 0
         for block in ordered_blocks:
+            if block.is_null:
+                if NULL_BLOCK_REFCOUNTED:
+                    block.ref_cnt -= 1
+                continue
             if block.pool is not None and block.pool is not self:
                 other_pools.setdefault(block.pool, []).append(block)
                 continue
             block.ref_cnt -= 1
-            if block.ref_cnt or block.is_null:
+            if block.ref_cnt:
                 continue
-            key = key_of[block.block_id]
-            if key is None:
+            entry = key_of[block.block_id]
+            if entry is None:
                 evict_first.append(block)
-            elif key in spare or block._block_hash is None:  # the slot behind block_hash
-                self._release_uncached(block, key)
+            elif block._block_hash is None:  # the slot behind block_hash
+                # Allocated for a key but never cached (finished early, or masked out).
+                self._drop_entry(block, entry)
                 evict_first.append(block)
             else:
-                # The single copy of a cached key: it stays cached, a candidate for eviction.
-                unpin(key)
+                # A cached block: it stays cached, a candidate for eviction.
+                unpin(entry)
                 released += 1
         self._num_evictable += released
         # LIFO reuse of blocks without a hash, as vLLM does (better locality).
         self.free_block_queue.prepend_n(evict_first)
         for pool, blocks in other_pools.items():
             pool.free_blocks(blocks)
-
-    def _release_uncached(self, block: KVCacheBlock, key: Key) -> None:
-        """Last user released ``block``, a redundant copy of ``key`` or never cached under it.
-
-        The block leaves the prefix cache (it joins the free queue without a hash); the key
-        leaves the policy when no copy of it is left.
-        """
-        last = self._drop_copy(block, key)
-        if block.block_hash is not None:
-            self._drop_hashes(block)
-        if last:
-            self.policy.unpin(key)
-            self.policy.remove(key)
 
     # ---------------------------------------------------------------- invalidation
     def evict_blocks(self, block_ids: set[int]) -> None:
@@ -416,29 +365,29 @@ class PolicyBlockPool(BlockPool):
                 "a block the scheduler never allocated"
             )
             block = self.blocks[block_id]
-            key = self._key_of[block_id]
-            if key is not None:
-                if self._drop_copy(block, key):
-                    if block.ref_cnt == 0:
-                        self._num_evictable -= 1
-                    else:
-                        self.policy.unpin(key)
-                    self.policy.remove(key)
-                elif block.ref_cnt == 0:
-                    raise RuntimeError(f"free block {block_id} was one of several copies")
+            entry = self._key_of[block_id]
+            if entry is not None:
+                del self._block_of[entry]
+                self._key_of[block_id] = None
                 if block.ref_cnt == 0:
+                    self._num_evictable -= 1
+                    # vLLM leaves the block where it is in its queue; without a hash it joins
+                    # the end of the blocks reused first (docs/plugin.md, "Equal to vLLM").
                     self.free_block_queue.append(block)
+                else:
+                    self.policy.unpin(entry)
+                self.policy.remove(entry)
             self._maybe_evict_cached_block(block)
 
     def reset_prefix_cache(self) -> bool:
-        order = [self._primary[key] for key in self.policy.resident_keys()]
+        order = [self._block_of[entry] for entry in self.policy.resident_keys()]
         if not super().reset_prefix_cache():
             return False
         # Every block is free (vLLM checked): the cached ones join the free queue in the
-        # policy's eviction order, and the policy forgets everything, history included.
+        # policy's eviction order (vLLM's queue order with lru), and the policy forgets
+        # everything, history included.
         self.free_block_queue.append_n(order)
-        self._primary.clear()
-        self._spare.clear()
+        self._block_of.clear()
         self._key_of = [None] * self.num_gpu_blocks
         self._num_evictable = 0
         self.policy.clear()
@@ -446,17 +395,17 @@ class PolicyBlockPool(BlockPool):
 
     # ------------------------------------------------------------------- live switch
     def switch_policy(self, name: str) -> EvictionPolicy:
-        """Replace the policy by ``name``, carrying every resident key in recency order.
+        """Replace the policy by ``name``, carrying every resident entry in recency order.
 
         Called between scheduler steps. Raises PolicyError (and changes nothing) for an
         unknown name. Ghost history does not carry over: the new policy starts it afresh.
         """
         new = make_policy(name, self.policy.capacity)
-        for key in self.policy.resident_keys():
-            new.find(key)
-            new.insert(key)
-            if self._primary[key].ref_cnt == 0:
-                new.unpin(key)
+        for entry in self.policy.resident_keys():
+            new.find(entry)
+            new.insert(entry)
+            if self._block_of[entry].ref_cnt == 0:
+                new.unpin(entry)
         self.policy = new
         self.policy_switches += 1
         return new
@@ -465,11 +414,13 @@ class PolicyBlockPool(BlockPool):
         """The keys vLLM's own prefix-cache map holds a block for: what a request can hit.
 
         Read from vLLM's ``cached_block_hash_to_block``, not from this class's bookkeeping, so
-        a live switch can be checked against the pool itself (``verify`` checks that every one
-        is a resident policy key; a resident key is missing here only while its block waits
-        for its hash within an allocation).
+        a live switch can be checked against the pool itself.
         """
         return {key for key, blocks in self.cached_block_hash_to_block._cache.items() if blocks}
+
+    def resident_hashes(self, policy: EvictionPolicy | None = None) -> set[Key]:
+        """The prefix-cache keys ``policy`` (default: the pool's) holds an entry for."""
+        return {hash_of(entry) for entry in (policy or self.policy).resident_keys()}
 
     # ------------------------------------------------------------- unsupported paths
     def unpin_blocks(self, blocks: Iterable[KVCacheBlock], on_reuse: Callable[..., None]) -> None:
@@ -484,40 +435,37 @@ class PolicyBlockPool(BlockPool):
     # ------------------------------------------------------------------------ checks
     def verify(self) -> None:
         """Recount every invariant in the class docstring; AssertionError names the drift."""
-        self.policy.verify()
         policy = self.policy
-        assert set(self._primary) == set(policy.resident_keys()), (
-            "policy resident keys and the pool's cached keys differ"
+        policy.verify()
+        assert set(self._block_of) == set(policy.resident_keys()), (
+            "policy resident keys and the pool's entries differ"
         )
-        assert len(self._primary) == len(policy), "policy length differs from cached keys"
-        # vLLM's own map may lack a key only while its block is pending (hash not yet set).
-        untracked = self.prefix_cache_keys() - set(self._primary)
-        assert not untracked, f"{len(untracked)} keys in vLLM's prefix cache but not the policy"
-        assert len(self._key_of) == len(self.blocks), "block -> key table has the wrong size"
-        key_of = {i: key for i, key in enumerate(self._key_of) if key is not None}
+        assert len(self._block_of) == len(policy), "policy length differs from the entries"
+        assert len(self._key_of) == len(self.blocks), "block -> entry table has the wrong size"
+        key_of = {i: entry for i, entry in enumerate(self._key_of) if entry is not None}
+        assert len(key_of) == len(self._block_of), "a block maps to an entry it does not hold"
         in_queue = {b.block_id for b in self.free_block_queue.get_all_free_blocks()}
         evictable = 0
-        copies_seen = 0
-        for key, spares in self._spare.items():
-            assert spares, f"key {key!r} kept with an empty list of spare copies"
-            assert key in self._primary, f"key {key!r} has spare copies but no primary"
-        for key, primary in self._primary.items():
-            copies = [primary, *self._spare.get(key, ())]
-            if primary.ref_cnt == 0:
-                assert len(copies) == 1, f"key {key!r} has a free primary and other copies"
+        for entry, block in self._block_of.items():
+            assert key_of.get(block.block_id) == entry, (
+                f"block {block.block_id} not mapped back to its entry"
+            )
+            assert not block.is_null, "the null block holds an entry"
+            assert block.block_id not in in_queue, f"cached block {block.block_id} in queue"
+            if block._block_hash is not None:
+                assert block._block_hash == hash_of(entry), f"block {block.block_id} hash != key"
+            if block.ref_cnt == 0:
+                assert block._block_hash is not None, f"free block {block.block_id} not cached"
                 evictable += 1
-            for block in copies:
-                copies_seen += 1
-                assert key_of.get(block.block_id) == key, (
-                    f"block {block.block_id} not mapped back to its key"
-                )
-                assert block.block_id not in in_queue, f"cached block {block.block_id} in queue"
-                if block.block_hash is not None:
-                    assert block.block_hash == key, f"block {block.block_id} hash != its key"
-        assert copies_seen == len(key_of), "a block maps to a key that does not hold it"
         assert evictable == self._num_evictable, (
             f"evictable count {self._num_evictable} != recount {evictable}"
         )
+        for key, blocks in self.cached_block_hash_to_block._cache.items():
+            for block in [blocks] if isinstance(blocks, KVCacheBlock) else blocks.values():
+                entry = key_of.get(block.block_id)
+                assert entry is not None and hash_of(entry) == key, (
+                    f"vLLM caches block {block.block_id} without a policy entry for its key"
+                )
         free_by_ref = 0
         for block in self.blocks:
             if block.is_null:
@@ -529,8 +477,6 @@ class PolicyBlockPool(BlockPool):
                 )
             else:
                 assert block.block_id not in in_queue, f"held block {block.block_id} in queue"
-            if block.block_hash is not None:
-                assert block.block_id in key_of, f"hashed block {block.block_id} untracked"
         for block_id in in_queue:
             assert self.blocks[block_id].block_hash is None, f"queued block {block_id} has hash"
         assert free_by_ref == self.get_num_free_blocks(), (

@@ -1,6 +1,7 @@
-"""Installs the plugin into vLLM 0.32, and lists every vLLM internal the plugin touches.
+"""Installs the plugin into vLLM 0.32 or 0.33, and lists every vLLM internal the plugin touches.
 
-``VLLM_INTERNALS`` is that list: the targeted vLLM version and, for each private attribute the
+``VLLM_INTERNALS`` is that list for the installed vLLM (``VLLM_INTERNALS_BY_SERIES`` holds one
+per supported release series): the targeted vLLM version and, for each private attribute the
 plugin reads or calls, each vLLM symbol it patches and each ``BlockPool`` method
 ``PolicyBlockPool`` overrides, where vLLM defines it and what the plugin uses it for. Files read
 to write it: ``vllm/v1/core/block_pool.py``, ``kv_cache_utils.py``, ``kv_cache_manager.py``,
@@ -26,12 +27,11 @@ from typing import Any, Literal
 from vllm.entrypoints.serve.middleware import authenticate as vllm_authenticate
 from vllm.v1.core import kv_cache_coordinator, kv_cache_manager, single_type_kv_cache_manager
 from vllm.v1.core.sched import scheduler as vllm_scheduler
-from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.request import Request
 
 from arc_evictor.vllm_plugin.auth import authenticate_every_path
 from arc_evictor.vllm_plugin.block_pool import Allocation, PolicyBlockPool
-from arc_evictor.vllm_plugin.version import TARGET_VLLM, UnsupportedVllmError
+from arc_evictor.vllm_plugin.version import TARGET_VLLM, UnsupportedVllmError, vllm_series
 
 # private: a private attribute read or called; patched: replaced in vLLM by the plugin;
 # overridden: a ``BlockPool`` method ``PolicyBlockPool`` redefines.
@@ -50,147 +50,163 @@ class VllmInternal:
 
 @dataclass(frozen=True, slots=True)
 class VllmInternals:
-    """The vLLM internals the plugin touches, as read in vLLM ``vllm_version``."""
+    """The vLLM internals the plugin touches, as read in vLLM ``vllm_version``.
+
+    ``changes`` says what differs from the previous supported series and how the plugin
+    follows it (empty for the first).
+    """
 
     vllm_version: str
     entries: tuple[VllmInternal, ...]
+    changes: str = ""
 
 
 _BLOCK_POOL = "vllm.v1.core.block_pool.BlockPool"
 _SINGLE_TYPE_MANAGER = "vllm.v1.core.single_type_kv_cache_manager.SingleTypeKVCacheManager"
 _KV_CACHE_MANAGER = "vllm.v1.core.kv_cache_manager.KVCacheManager"
 
-VLLM_INTERNALS = VllmInternals(
-    vllm_version=TARGET_VLLM,
-    entries=(
-        VllmInternal(
-            "vllm.v1.core.kv_cache_utils.KVCacheBlock",
-            "_block_hash",
-            "private",
-            "the slot behind the block_hash property, read in its place on the hot paths of "
-            "PolicyBlockPool.cache_full_blocks and free_blocks",
-        ),
-        VllmInternal(
-            "vllm.v1.core.block_pool.BlockHashToBlockMap",
-            "_cache",
-            "private",
-            "the dict behind BlockPool.cached_block_hash_to_block: "
-            "PolicyBlockPool.prefix_cache_keys lists the keys vLLM's prefix-cache map holds "
-            "(the live-switch log line, verify)",
-        ),
-        VllmInternal(
-            _BLOCK_POOL,
-            "_maybe_evict_cached_block",
-            "private",
-            "takes a block out of vLLM's prefix-cache map with vLLM's own BlockRemoved events "
-            "and KV cache metrics: on eviction, when a free copy is handed back to a request, "
-            "when a redundant copy is dropped, in evict_blocks",
-        ),
-        VllmInternal(
-            _BLOCK_POOL,
-            "_reuse_watchers",
-            "private",
-            "PolicyBlockPool.get_new_blocks checks for callbacks waiting on reused blocks, as "
-            "vLLM's get_new_blocks does",
-        ),
-        VllmInternal(
-            _BLOCK_POOL,
-            "_notify_reuse",
-            "private",
-            "PolicyBlockPool.get_new_blocks runs those callbacks, as vLLM's get_new_blocks does",
-        ),
-        VllmInternal(
-            _SINGLE_TYPE_MANAGER,
-            "_partial_hit_reqs",
-            "private",
-            "the allocate_new_blocks wrapper gives no keys to the new blocks of a request with "
-            "a partial prefix-cache hit",
-        ),
-        VllmInternal(
-            "vllm.v1.core.kv_cache_coordinator",
-            "BlockPool",
-            "patched",
-            "the name the KV cache coordinator builds its device pool by; replaced by a factory "
-            "of PolicyBlockPool",
-        ),
-        VllmInternal(
-            _KV_CACHE_MANAGER,
-            "__init__",
-            "patched",
-            "wrapped: refuses KV cache layouts the policy pool does not model "
-            "(check_supported_layout)",
-        ),
-        VllmInternal(
-            _KV_CACHE_MANAGER,
-            "allocate_slots",
-            "patched",
-            "wrapped: sets the pool's Allocation for the request being allocated and counts "
-            "the blocks a new request looks up",
-        ),
-        VllmInternal(
-            _SINGLE_TYPE_MANAGER,
-            "allocate_new_blocks",
-            "patched",
-            "wrapped: tells the Allocation where the new blocks start in the request's block "
-            "table, and their block size and group",
-        ),
-        VllmInternal(
-            "vllm.v1.core.sched.scheduler.Scheduler",
-            "schedule",
-            "patched",
-            "wrapped: runs the plugin's per-step hook (live policy switch, metrics) first",
-        ),
-        VllmInternal(
-            "vllm.entrypoints.serve.middleware.authenticate.AuthenticationMiddleware",
-            "__call__",
-            "patched",
-            "replaced by auth.authenticate_every_path: the API key guards every path but "
-            "auth.OPEN_PATHS",
-        ),
-        VllmInternal(
-            _BLOCK_POOL, "__init__", "overridden", "extended: the same arguments and policy_name"
-        ),
-        VllmInternal(
-            _BLOCK_POOL,
-            "get_num_free_blocks",
-            "overridden",
-            "free blocks without a hash plus evictable cached blocks",
-        ),
-        VllmInternal(_BLOCK_POOL, "touch", "overridden", "a committed hit: pin, then find"),
-        VllmInternal(
-            _BLOCK_POOL,
-            "get_new_blocks",
-            "overridden",
-            "takes resident incoming keys first, then evicts the policy's victims",
-        ),
-        VllmInternal(
-            _BLOCK_POOL,
-            "cache_full_blocks",
-            "overridden",
-            "extended: a key decided after allocation enters the policy",
-        ),
-        VllmInternal(_BLOCK_POOL, "free_blocks", "overridden", "ref 1 -> 0: unpin"),
-        VllmInternal(_BLOCK_POOL, "evict_blocks", "overridden", "invalidation: remove"),
-        VllmInternal(
-            _BLOCK_POOL, "reset_prefix_cache", "overridden", "extended: the policy is cleared"
-        ),
-        VllmInternal(
-            _BLOCK_POOL, "unpin_blocks", "overridden", "refused: HiSparse is not modelled"
-        ),
-        VllmInternal(
-            _BLOCK_POOL,
-            "cache_partial_block",
-            "overridden",
-            "refused: partial-block prefix caching is not modelled",
-        ),
-        VllmInternal(
-            _BLOCK_POOL,
-            "move_block_hashes",
-            "overridden",
-            "refused: moving hashes between blocks (copy-on-write) is not modelled",
-        ),
+_ENTRIES = (
+    VllmInternal(
+        "vllm.v1.core.kv_cache_utils.KVCacheBlock",
+        "_block_hash",
+        "private",
+        "the slot behind the block_hash property, read in its place on the hot paths of "
+        "PolicyBlockPool.cache_full_blocks and free_blocks",
+    ),
+    VllmInternal(
+        "vllm.v1.core.block_pool.BlockHashToBlockMap",
+        "_cache",
+        "private",
+        "the dict behind BlockPool.cached_block_hash_to_block: "
+        "PolicyBlockPool.prefix_cache_keys lists the keys vLLM's prefix-cache map holds "
+        "(the live-switch log line, verify)",
+    ),
+    VllmInternal(
+        _BLOCK_POOL,
+        "_maybe_evict_cached_block",
+        "private",
+        "takes a block out of vLLM's prefix-cache map with vLLM's own BlockRemoved events "
+        "and KV cache metrics: on eviction (one copy at a time, in vLLM's order) and in "
+        "evict_blocks",
+    ),
+    VllmInternal(
+        _BLOCK_POOL,
+        "_reuse_watchers",
+        "private",
+        "PolicyBlockPool.get_new_blocks checks for callbacks waiting on reused blocks, as "
+        "vLLM's get_new_blocks does",
+    ),
+    VllmInternal(
+        _BLOCK_POOL,
+        "_notify_reuse",
+        "private",
+        "PolicyBlockPool.get_new_blocks runs those callbacks, as vLLM's get_new_blocks does",
+    ),
+    VllmInternal(
+        _SINGLE_TYPE_MANAGER,
+        "_partial_hit_reqs",
+        "private",
+        "the allocate_new_blocks wrapper gives no keys to the new blocks of a request with "
+        "a partial prefix-cache hit",
+    ),
+    VllmInternal(
+        "vllm.v1.core.kv_cache_coordinator",
+        "BlockPool",
+        "patched",
+        "the name the KV cache coordinator builds its device pool by; replaced by a factory "
+        "of PolicyBlockPool",
+    ),
+    VllmInternal(
+        _KV_CACHE_MANAGER,
+        "__init__",
+        "patched",
+        "wrapped: refuses KV cache layouts the policy pool does not model (check_supported_layout)",
+    ),
+    VllmInternal(
+        _KV_CACHE_MANAGER,
+        "allocate_slots",
+        "patched",
+        "wrapped: sets the pool's Allocation for the request being allocated and counts "
+        "the blocks a new request looks up",
+    ),
+    VllmInternal(
+        _SINGLE_TYPE_MANAGER,
+        "allocate_new_blocks",
+        "patched",
+        "wrapped: tells the Allocation where the new blocks start in the request's block "
+        "table, and their block size and group",
+    ),
+    VllmInternal(
+        "vllm.v1.core.sched.scheduler.Scheduler",
+        "schedule",
+        "patched",
+        "wrapped: runs the plugin's per-step hook (live policy switch, metrics) first",
+    ),
+    VllmInternal(
+        "vllm.entrypoints.serve.middleware.authenticate.AuthenticationMiddleware",
+        "__call__",
+        "patched",
+        "replaced by auth.authenticate_every_path: the API key guards every path but "
+        "auth.OPEN_PATHS",
+    ),
+    VllmInternal(
+        _BLOCK_POOL, "__init__", "overridden", "extended: the same arguments and policy_name"
+    ),
+    VllmInternal(
+        _BLOCK_POOL,
+        "get_num_free_blocks",
+        "overridden",
+        "free blocks without a hash plus evictable cached blocks",
+    ),
+    VllmInternal(_BLOCK_POOL, "touch", "overridden", "a committed hit: pin, then find"),
+    VllmInternal(
+        _BLOCK_POOL,
+        "get_new_blocks",
+        "overridden",
+        "each new block: a free block without a hash, else the policy's victim; handed out "
+        "in vLLM's free-queue order",
+    ),
+    VllmInternal(
+        _BLOCK_POOL,
+        "cache_full_blocks",
+        "overridden",
+        "extended: a key decided after allocation enters the policy",
+    ),
+    VllmInternal(_BLOCK_POOL, "free_blocks", "overridden", "ref 1 -> 0: unpin"),
+    VllmInternal(_BLOCK_POOL, "evict_blocks", "overridden", "invalidation: remove"),
+    VllmInternal(
+        _BLOCK_POOL, "reset_prefix_cache", "overridden", "extended: the policy is cleared"
+    ),
+    VllmInternal(_BLOCK_POOL, "unpin_blocks", "overridden", "refused: HiSparse is not modelled"),
+    VllmInternal(
+        _BLOCK_POOL,
+        "cache_partial_block",
+        "overridden",
+        "refused: partial-block prefix caching is not modelled",
+    ),
+    VllmInternal(
+        _BLOCK_POOL,
+        "move_block_hashes",
+        "overridden",
+        "refused: moving hashes between blocks (copy-on-write) is not modelled",
     ),
 )
+
+# The same names, read again in each release (the files listed in the module docstring).
+VLLM_INTERNALS_BY_SERIES = {
+    "0.32": VllmInternals(TARGET_VLLM["0.32"], _ENTRIES),
+    "0.33": VllmInternals(
+        TARGET_VLLM["0.33"],
+        _ENTRIES,
+        changes="BlockPool.touch and free_blocks no longer count the null block's references "
+        "(block_pool.NULL_BLOCK_REFCOUNTED follows); BlockPool.__init__ takes "
+        "num_hash_lookahead_tokens (passed through); get_computed_blocks takes "
+        "max_cache_hit_length and block tables drop leading null blocks (no pool call "
+        "changes). Every entry above exists unchanged.",
+    ),
+}
+# The table of the installed vLLM (``version.vllm_series`` refused any other before import).
+VLLM_INTERNALS = VLLM_INTERNALS_BY_SERIES[vllm_series()]
 
 _POOLS: weakref.WeakSet[PolicyBlockPool] = weakref.WeakSet()
 
@@ -200,17 +216,45 @@ def live_pools() -> list[PolicyBlockPool]:
     return list(_POOLS)
 
 
-def check_supported_layout(manager: Any) -> None:
-    """Refuse KV cache layouts the policy pool does not model (hybrid, sliding window, ...)."""
+# The single-type managers whose block-pool calls the policy pool models (exact classes:
+# subclasses such as R-SWA, sink or HiSparse managers call the pool differently).
+SUPPORTED_MANAGERS: tuple[type, ...] = (
+    single_type_kv_cache_manager.FullAttentionManager,
+    single_type_kv_cache_manager.SlidingWindowManager,
+    single_type_kv_cache_manager.ChunkedLocalAttentionManager,
+)
+
+
+def describe_layout(manager: Any) -> str:
+    """The KV cache layout as vLLM built it: each group's spec and manager class."""
     groups = manager.kv_cache_config.kv_cache_groups
-    if len(groups) != 1 or not isinstance(groups[0].kv_cache_spec, FullAttentionSpec):
-        kinds = ", ".join(type(g.kv_cache_spec).__name__ for g in groups)
+    return ", ".join(
+        f"{type(group.kv_cache_spec).__name__}/{type(single).__name__}"
+        for group, single in zip(groups, manager.coordinator.single_type_managers, strict=True)
+    )
+
+
+def check_supported_layout(manager: Any) -> None:
+    """Refuse KV cache layouts the policy pool does not model, naming the layout.
+
+    Supported: any number of groups, each full attention, sliding window or chunked local
+    attention, sharing vLLM's one block pool (``docs/plugin.md``, "Supported vLLM and models").
+    Refused: Mamba, cross-attention and every other manager, and partial prefix-cache hits.
+    """
+    singles = manager.coordinator.single_type_managers
+    unsupported = [type(m).__name__ for m in singles if type(m) not in SUPPORTED_MANAGERS]
+    if unsupported:
         raise UnsupportedVllmError(
-            "arc_evictor drives models whose KV cache is one full-attention group; this model "
-            f"has [{kinds}]. Unset ARC_EVICTOR_POLICY/ARC_EVICTOR_CONFIG for this model."
+            "arc_evictor drives KV cache groups of full, sliding-window and chunked local "
+            f"attention; this model's layout is [{describe_layout(manager)}] "
+            f"({', '.join(unsupported)} unsupported). Unset ARC_EVICTOR_POLICY/"
+            "ARC_EVICTOR_CONFIG for this model."
         )
     if manager.coordinator.enable_partial_hash_hits:
-        raise UnsupportedVllmError("arc_evictor does not support partial prefix-cache hits")
+        raise UnsupportedVllmError(
+            "arc_evictor does not support partial prefix-cache hits; this model's layout is "
+            f"[{describe_layout(manager)}]"
+        )
 
 
 _installed: dict[str, Any] = {}
@@ -252,14 +296,17 @@ def install(
         pool = self.block_pool
         if not isinstance(pool, PolicyBlockPool):
             return orig_allocate_slots(self, request, *args, **kwargs)
-        first = not self.coordinator.single_type_managers[0].req_to_blocks.get(request.request_id)
+        singles = self.coordinator.single_type_managers
+        first = not singles[0].req_to_blocks.get(request.request_id)
         pool.allocation = Allocation(request)
         try:
             result = orig_allocate_slots(self, request, *args, **kwargs)
         finally:
             pool.allocation = None
         if first and result is not None:
-            pool.block_queries += len(request.block_hashes)
+            # Every group looks up its own blocks (a hit is counted per group's block).
+            hashes = len(request.block_hashes) * pool.hash_block_size
+            pool.block_queries += sum(hashes // single.block_size for single in singles)
         return result
 
     @functools.wraps(orig_new_blocks)

@@ -2,15 +2,18 @@
 
 ``register`` calls ``check_vllm_version()`` before it imports ``patches`` and ``block_pool``:
 they import and subclass private vLLM classes, so on another vLLM version importing them could
-fail with an ImportError that hides the real problem. ``TARGET_VLLM`` is the version
-``patches.VLLM_INTERNALS`` was read in. This module imports only vLLM's top-level package,
-which every version has, and only when asked for the installed version.
+fail with an ImportError that hides the real problem. ``TARGET_VLLM`` maps each supported
+release series to the version ``patches.VLLM_INTERNALS_BY_SERIES`` was read in. This module
+imports only vLLM's top-level package, which every version has, and only when asked for the
+installed version.
 """
 
 from __future__ import annotations
 
-TARGET_VLLM = "0.32.0"
-SUPPORTED_VLLM = "0.32."
+# Release series -> the release the plugin's vLLM internals were read in (docs/plugin.md,
+# "Supported vLLM and models").
+TARGET_VLLM = {"0.32": "0.32.0", "0.33": "0.33.0"}
+SUPPORTED_VLLM = tuple(f"{series}." for series in TARGET_VLLM)
 
 
 class UnsupportedVllmError(RuntimeError):
@@ -28,12 +31,24 @@ def installed_vllm_version() -> str:
     return vllm.__version__
 
 
-def check_vllm_version(version: str | None = None) -> None:
-    """Refuse every vLLM but 0.32.x (default: the installed one), naming the fix."""
+def vllm_series(version: str | None = None) -> str:
+    """The supported release series of ``version`` (default: the installed vLLM), e.g. 0.32.
+
+    Raises UnsupportedVllmError, naming the supported series and the fix, for any other.
+    """
     version = installed_vllm_version() if version is None else version
-    if not version.startswith(SUPPORTED_VLLM):
-        raise UnsupportedVllmError(
-            f"arc_evictor's vLLM plugin supports vLLM {SUPPORTED_VLLM}* (written against "
-            f"{TARGET_VLLM}); found vLLM {version}. Install vllm==0.32.* or unset "
-            "ARC_EVICTOR_POLICY and ARC_EVICTOR_CONFIG to run without the plugin."
-        )
+    for series in TARGET_VLLM:
+        if version.startswith(f"{series}."):
+            return series
+    supported = ", ".join(f"{series}.*" for series in TARGET_VLLM)
+    written = ", ".join(TARGET_VLLM.values())
+    raise UnsupportedVllmError(
+        f"arc_evictor's vLLM plugin supports vLLM {supported} (written against {written}); "
+        f"found vLLM {version}. Install one of those or unset ARC_EVICTOR_POLICY and "
+        "ARC_EVICTOR_CONFIG to run without the plugin."
+    )
+
+
+def check_vllm_version(version: str | None = None) -> None:
+    """Refuse every vLLM outside the supported series (default: the installed one)."""
+    vllm_series(version)

@@ -1,0 +1,94 @@
+"""End to end: the real vLLM CPU server with the plugin on sliding-window models.
+
+The tiny local Llama (``arc_dev.tinymodel``) is re-labelled two ways, its weights unchanged:
+
+- ``hybrid``: Hugging Face ``layer_types`` (layer 0 sliding-window attention over 64 tokens,
+  layer 1 full attention), which vLLM's Llama reads per layer. vLLM builds a
+  HybridKVCacheCoordinator with a full-attention and a sliding-window group sharing one pool.
+- ``mistral``: ``MistralForCausalLM`` with a 64-token ``sliding_window`` on every layer (the
+  weights are named as Llama's): one sliding-window group.
+
+A repeated prompt of 4 blocks and a token hits 4 blocks (128 tokens) in vLLM's count; the
+plugin commits the full-attention group's 4 blocks and the sliding group's 2 window blocks.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+from test_server_e2e import complete, metrics, prompt, value, wait_for
+
+from arc_dev.tinymodel import build_tiny_llama
+from arc_dev.vllm_server import VllmServer
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+BLOCK = 32
+WINDOW = 2 * BLOCK
+# name -> (config.json changes, policy, block hits the plugin commits on the repeat)
+MODELS: dict[str, tuple[dict[str, Any], str, int]] = {
+    "hybrid": (
+        {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": WINDOW},
+        "arc",
+        4 + 2,
+    ),
+    "mistral": (
+        {
+            "architectures": ["MistralForCausalLM"],
+            "model_type": "mistral",
+            "sliding_window": WINDOW,
+        },
+        "lru",
+        2,
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_llama(tmp_path_factory.mktemp("model") / "tiny-llama")
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_sliding_window_model_serves_with_the_plugin_and_hits_per_group(
+    name: str, llama: Path, tmp_path: Path
+) -> None:
+    changes, policy, expected_hits = MODELS[name]
+    model = tmp_path / f"tiny-{name}"
+    shutil.copytree(llama, model)
+    config = json.loads((model / "config.json").read_text())
+    config.update(changes)
+    (model / "config.json").write_text(json.dumps(config))
+    with VllmServer(
+        model,
+        block_size=BLOCK,
+        num_gpu_blocks=49,  # two groups need a block each per 32 tokens of max_model_len
+        max_model_len=512,
+        served_model_name="tiny",
+        env={"ARC_EVICTOR_POLICY": policy},
+        log_path=tmp_path / "server.log",
+    ) as server:
+        assert f"evicts by {policy}" in server.log_tail(4000)
+        before = metrics(server)
+        hot = prompt(7, 4)  # 4 full blocks and one token
+        complete(server, hot)
+        complete(server, hot)
+        m = wait_for(
+            server,
+            lambda m: (
+                value(m, "arc_evictor_block_hits_total")
+                > value(before, "arc_evictor_block_hits_total")
+            ),
+        )
+        hits = value(m, "arc_evictor_block_hits_total") - value(
+            before, "arc_evictor_block_hits_total"
+        )
+        assert hits == expected_hits
+        assert (
+            value(m, "vllm:prefix_cache_hits_total") - value(before, "vllm:prefix_cache_hits_total")
+            == 4 * BLOCK
+        )
