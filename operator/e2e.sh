@@ -2,7 +2,9 @@
 # End-to-end check on a real cluster (the one in KUBECONFIG): apply the CRD and the example
 # ServingPolicy (with its API key Secret, a random key created here unless the Secret exists),
 # and wait until the operator (installed separately, e.g. by the Helm chart) has reconciled it:
-# status.observedGeneration set, Deployment/Service/NetworkPolicy/ConfigMap present.
+# status.observedGeneration set, Deployment/Service/NetworkPolicy/ConfigMap present, and, since the
+# example has two replicas (kv_aware routing by default), the router's Deployment, Service,
+# ServiceAccount and NetworkPolicy qwen-arc-router.
 # Prints "skipped: no cluster configured" and exits 0 when no cluster is reachable.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -34,7 +36,8 @@ fi
 "$KUBECTL" -n "$NAMESPACE" wait --for=jsonpath='{.status.observedGeneration}'=1 \
   --timeout="${TIMEOUT_S}s" servingpolicy/qwen-arc
 for object in deployment/qwen-arc service/qwen-arc networkpolicy/qwen-arc \
-    configmap/qwen-arc-policy; do
+    configmap/qwen-arc-policy deployment/qwen-arc-router service/qwen-arc-router \
+    serviceaccount/qwen-arc-router networkpolicy/qwen-arc-router; do
   "$KUBECTL" -n "$NAMESPACE" get "$object"
 done
 "$KUBECTL" -n "$NAMESPACE" get servingpolicy qwen-arc -o wide

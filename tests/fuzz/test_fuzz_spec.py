@@ -63,6 +63,7 @@ OPERATOR_ONLY = [
     r"apiKeySecretRef is required",  # CEL: a key or allowUnauthenticated, exactly one
     r"set apiKeySecretRef or allowUnauthenticated: true, not both",
     r"engineArgs may not set",  # operator-owned vLLM flags
+    r"routing\.args may not set",  # operator-owned router flags
     r"env may not set",  # operator-owned environment variables
     r"is not a valid Secret data key",  # "." and "..": the API server's own check
     # valueFrom is free-form in the CRD; a bad one would fail at the Deployment instead.

@@ -35,6 +35,9 @@ CONFIGMAPS = kmock.resource("", "v1", "configmaps")
 NETWORKPOLICIES = kmock.resource("networking.k8s.io", "v1", "networkpolicies")
 PODS = kmock.resource("", "v1", "pods")
 EVENTS = kmock.resource("", "v1", "events")
+SERVICEACCOUNTS = kmock.resource("", "v1", "serviceaccounts")
+ROLES = kmock.resource("rbac.authorization.k8s.io", "v1", "roles")
+ROLEBINDINGS = kmock.resource("rbac.authorization.k8s.io", "v1", "rolebindings")
 # Fast timer for tests; the default (30 s) is what clusters use.
 STATUS_INTERVAL_S = 0.3
 # The peers the operator admits to the serving pods, as the chart configures them.
@@ -44,6 +47,14 @@ SERVING_PEERS = [
         "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}},
     }
 ]
+# The metrics scrapers (Prometheus and the operator) the operator admits to /metrics.
+MONITORING_PEERS = [
+    {
+        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "arc-system"}},
+        "podSelector": {"matchLabels": {"app.kubernetes.io/component": "operator"}},
+    }
+]
+ROUTER_IMAGE = "ghcr.io/arc-serving/router:0.1.0"
 
 
 def make_spec(**overrides: Any) -> dict[str, Any]:
@@ -157,9 +168,14 @@ def cluster(kmock: kmock.KubernetesEmulator, tmp_path: Path, monkeypatch: pytest
         (NETWORKPOLICIES, "NetworkPolicy"),
         (PODS, "Pod"),
         (EVENTS, "Event"),
+        (SERVICEACCOUNTS, "ServiceAccount"),
+        (ROLES, "Role"),
+        (ROLEBINDINGS, "RoleBinding"),
     ]:
         kmock.resources[resource] = kmock.ResourceInfo(
-            kind=kind, namespaced=True, verbs={"get", "list", "watch", "create", "patch"}
+            kind=kind,
+            namespaced=True,
+            verbs={"get", "list", "watch", "create", "patch", "delete"},
         )
     # kopf waits for these to be discoverable, as they are in every real cluster.
     kmock.resources[kmock.resource("", "v1", "namespaces")] = kmock.ResourceInfo(
@@ -293,6 +309,8 @@ async def operator(cluster, pod_metrics: PodMetricsServer) -> AsyncIterator[Runn
                 "metrics_port": pod_metrics.port,
                 "status_interval": STATUS_INTERVAL_S,
                 "serving_peers": SERVING_PEERS,
+                "monitoring_peers": MONITORING_PEERS,
+                "router_image": ROUTER_IMAGE,
             }
         )
     )
@@ -350,3 +368,61 @@ def operator_writes(cluster, resource: Any, method: str) -> int:
         and request.method.value == method
         and "kmock" not in request.headers.get("User-Agent", "")
     )
+
+
+SP_PATH = f"/apis/arcserving.io/v1alpha1/namespaces/{NAMESPACE}/servingpolicies"
+
+
+async def create_sp(cluster, name: str, spec: dict[str, Any]) -> None:
+    response = await cluster.post(SP_PATH, json=make_servingpolicy(name, spec))
+    assert response.status == 200, await response.text()
+
+
+async def edit_spec(cluster, name: str, generation: int, **changes: Any) -> None:
+    """A spec edit as the API server records it: new spec fields and a new generation."""
+    response = await cluster.patch(
+        f"{SP_PATH}/{name}",
+        json={
+            "metadata": {"generation": generation, "resourceVersion": str(generation)},
+            "spec": changes,
+        },
+        headers={"Content-Type": "application/merge-patch+json"},
+    )
+    assert response.status == 200, await response.text()
+
+
+async def create_pod(cluster, owner: str, pod: str, ip: str, ready: bool = True) -> None:
+    """A serving pod of ServingPolicy ``owner`` as the Deployment controller and the kubelet
+    leave it: the template's labels, an IP, and its Ready condition."""
+    template = stored(cluster, DEPLOYMENTS, owner)["spec"]["template"]
+    body = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": pod, "namespace": NAMESPACE, "labels": template["metadata"]["labels"]},
+        "status": {
+            "podIP": ip,
+            "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
+        },
+    }
+    response = await cluster.post(f"/api/v1/namespaces/{NAMESPACE}/pods", json=body)
+    assert response.status == 200, await response.text()
+
+
+def operator_deletes(cluster, resource: Any) -> list[str]:
+    """The names of the objects of ``resource`` the operator asked to delete, oldest first."""
+    return [
+        request.name
+        for request in list(cluster)
+        if request.resource == resource
+        and request.method.value == "DELETE"
+        and "kmock" not in request.headers.get("User-Agent", "")
+    ]
+
+
+def status_of(cluster, name: str) -> dict[str, Any]:
+    return (stored(cluster, SP_RESOURCE, name) or {}).get("status") or {}
+
+
+def condition(cluster, name: str, type_: str) -> dict[str, Any]:
+    found = [c for c in status_of(cluster, name).get("conditions", []) if c["type"] == type_]
+    return found[0] if found else {}

@@ -315,3 +315,11 @@ def test_generators_refuse_bad_arguments_and_write_nothing(
     assert generator.main(argv) == 2
     assert f"usage: python -m arc_operator.{module} [OUTPUT.yaml]" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_printer_columns_show_the_routing_policy_in_effect() -> None:
+    columns = crd.build_crd()["spec"]["versions"][0]["additionalPrinterColumns"]
+    names = [column["name"] for column in columns if "priority" not in column]
+    assert names == ["Policy", "Routing", "Ready", "Hit Rate", "Age"]
+    (routing,) = [column for column in columns if column["name"] == "Routing"]
+    assert routing["jsonPath"] == ".status.routingPolicy"

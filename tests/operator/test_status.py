@@ -6,9 +6,9 @@ from dataclasses import replace
 
 import pytest
 
-from arc_operator.metrics import MetricsError, PodMetrics, hit_rate, parse_metrics
+from arc_operator.metrics import MetricsError, PodMetrics, hit_rate, parse_metrics, pod_hit_rates
 from arc_operator.models import parse_spec
-from arc_operator.status import Observation, Rollout, build_status
+from arc_operator.status import Observation, Rollout, build_status, status_patch
 from tests.operator.conftest import make_spec, metrics_text
 
 NOW, LATER = "2026-01-01T00:00:00Z", "2026-01-01T00:01:00Z"
@@ -65,7 +65,7 @@ def test_hit_rate_is_over_the_interval_and_survives_a_counter_reset() -> None:
 
 
 def test_ready_when_valid_rolled_out_and_policy_active() -> None:
-    spec = parse_spec(make_spec(policy="ARC", replicas=2))
+    spec = parse_spec(make_spec(policy="ARC", replicas=2, routing={"policy": "none"}))
     status = build_status(observe(spec, ready=2, scraped=pods("arc", "arc"), rate=0.5), None, NOW)
     assert conditions(status) == {
         "Valid": ("True", "SpecValid"),
@@ -76,7 +76,7 @@ def test_ready_when_valid_rolled_out_and_policy_active() -> None:
 
 
 def test_ready_copies_the_first_failing_dependency() -> None:
-    spec = parse_spec(make_spec(policy="ARC", replicas=2))
+    spec = parse_spec(make_spec(policy="ARC", replicas=2, routing={"policy": "none"}))
     switching = build_status(observe(spec, ready=2, scraped=pods("arc", "lru")), None, NOW)
     assert conditions(switching)["Ready"] == ("False", "Switching")
     assert switching.active_policy == "ARC,LRU"
@@ -117,7 +117,7 @@ def test_rollout_is_incomplete_until_the_controller_observes_the_new_template() 
     assert not Rollout.from_deployment(stale).complete(2)
     assert Rollout.from_deployment(current).complete(2)
 
-    spec = parse_spec(make_spec(policy="ARC", replicas=2))
+    spec = parse_spec(make_spec(policy="ARC", replicas=2, routing={"policy": "none"}))
     seen = observe(spec, ready=2, scraped=pods("arc", "arc"))
     stale_status = build_status(replace(seen, rollout=Rollout.from_deployment(stale)), None, NOW)
     ready = next(c for c in stale_status.conditions if c.type == "Ready")
@@ -137,3 +137,64 @@ def test_a_rejected_child_reads_as_apply_rejected() -> None:
     }
     assert status.conditions[0].message == "Kubernetes API error 422: quota"
     assert status.phase.value == "Invalid"
+
+
+# --- routing: RouterReady, routingPolicy, replicaHitRates -------------------------------------
+
+
+def routed_status(policy: str, router: Rollout, desired: int, **seen: object):
+    spec = parse_spec(make_spec(policy="ARC", replicas=2, routing={"policy": policy}))
+    observation = replace(
+        observe(spec, ready=2, scraped=pods("arc", "arc")),
+        router=router,
+        router_desired=desired,
+        **seen,
+    )
+    return build_status(observation, None, NOW)
+
+
+def test_router_ready_follows_the_router_rollout_and_gates_ready() -> None:
+    waiting = routed_status("kv_aware", Rollout(), 0)
+    assert conditions(waiting)["RouterReady"] == ("False", "NoReadyServingPods")
+    assert conditions(waiting)["Ready"] == ("False", "NoReadyServingPods")
+    rolling = routed_status("round_robin", Rollout(replicas=2, ready=1, updated=1), 2)
+    assert conditions(rolling)["RouterReady"] == ("False", "RolloutInProgress")
+    assert conditions(rolling)["Ready"] == ("False", "RolloutInProgress")
+    assert "1 ready and 1 updated of 2 desired router pods" in rolling.conditions[2].message
+    ready = routed_status("kv_aware", Rollout(replicas=1, ready=1, updated=1), 1)
+    assert [c.type for c in ready.conditions] == ["Valid", "PolicyApplied", "RouterReady", "Ready"]
+    assert conditions(ready)["RouterReady"] == ("True", "RouterReady")
+    assert conditions(ready)["Ready"] == ("True", "Ready")
+    assert (ready.routing_policy, ready.phase.value) == ("kv_aware", "Ready")
+
+
+def test_without_a_router_or_a_valid_spec_there_is_no_router_condition() -> None:
+    none = routed_status("none", Rollout(), 0)
+    assert "RouterReady" not in conditions(none) and none.routing_policy == "none"
+    assert conditions(none)["Ready"] == ("True", "Ready")
+    invalid = build_status(observe(error="spec.routing.policy: bad"), None, NOW)
+    assert "RouterReady" not in conditions(invalid) and invalid.routing_policy is None
+    # The default: kv_aware with more than one replica, none with one.
+    one = build_status(observe(parse_spec(make_spec()), scraped=pods("lru")), None, NOW)
+    assert one.routing_policy == "none"
+
+
+def test_each_pods_hit_rate_is_its_own_over_the_interval() -> None:
+    before = {"a": PodMetrics(frozenset(), 100, 200), "b": PodMetrics(frozenset(), 50, 100)}
+    after = {
+        "a": PodMetrics(frozenset(), 130, 240),  # 30 of 40
+        "b": PodMetrics(frozenset(), 50, 100),  # no query: no rate
+        "c": PodMetrics(frozenset(), 5, 10),  # read once: not yet
+    }
+    assert pod_hit_rates(before, after) == {"a": pytest.approx(0.75), "b": None}
+    status = routed_status(
+        "kv_aware",
+        Rollout(replicas=1, ready=1, updated=1),
+        1,
+        replica_hit_rates=pod_hit_rates(before, after),
+    )
+    assert status_patch(status)["replicaHitRates"] == [
+        {"pod": "a", "hitRate": pytest.approx(0.75)},
+        {"pod": "b"},
+    ]
+    assert status_patch(status)["routingPolicy"] == "kv_aware"

@@ -25,6 +25,7 @@ from arc_operator.status import ServingPolicyStatus
 
 PRINTER_COLUMNS: list[dict[str, Any]] = [
     {"name": "Policy", "type": "string", "jsonPath": ".spec.policy"},
+    {"name": "Routing", "type": "string", "jsonPath": ".status.routingPolicy"},
     {
         "name": "Ready",
         "type": "string",

@@ -5,7 +5,7 @@ It uses kopf's own credentials (``kopf.login_with_service_account``, then
 with the same identity, and adds no client library. Children are written only with server-side
 apply (field manager ``arc-serving-operator``, with ``force``): an apply creates a missing
 object, re-applying the same manifest is a no-op, and fields dropped from a manifest are
-removed.
+removed. The only deletions are of router children that a routing change left over.
 """
 
 from __future__ import annotations
@@ -25,6 +25,9 @@ PLURALS = {
     "Service": "services",
     "Deployment": "deployments",
     "NetworkPolicy": "networkpolicies",
+    "ServiceAccount": "serviceaccounts",
+    "Role": "roles",
+    "RoleBinding": "rolebindings",
 }
 
 
@@ -147,6 +150,11 @@ class KubeApi:
         if applied is None:
             raise ApiError(404, f"{manifest_path(manifest)}: its namespace or kind is not served")
         return applied
+
+    async def delete(self, api_version: str, kind: str, namespace: str, name: str) -> bool:
+        """Delete one object (its dependents in the background); False if it was not there."""
+        path = object_path(api_version, PLURALS[kind], namespace, name)
+        return await self.request("DELETE", path) is not None
 
     async def list(
         self, api_version: str, plural: str, namespace: str, labels: Mapping[str, str]

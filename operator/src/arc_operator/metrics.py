@@ -62,6 +62,18 @@ def _increase(before: float, after: float) -> float:
     return after - before if after >= before else after
 
 
+def pod_hit_rates(
+    previous: Mapping[str, PodMetrics], current: Mapping[str, PodMetrics]
+) -> dict[str, float | None]:
+    """Each pod's own hit rate between two readings (``hit_rate`` of that pod alone), for the
+    pods present in both: how well routing keeps each replica's prefixes together."""
+    return {
+        pod: hit_rate({pod: previous[pod]}, {pod: now})
+        for pod, now in sorted(current.items())
+        if pod in previous
+    }
+
+
 def hit_rate(previous: Mapping[str, PodMetrics], current: Mapping[str, PodMetrics]) -> float | None:
     """Hits over queries between two readings of the pods present in both.
 

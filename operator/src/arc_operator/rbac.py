@@ -1,13 +1,19 @@
 """The operator's RBAC rules: the one list the Helm chart's ClusterRole uses.
 
 Least privilege: the operator lists, watches and patches ServingPolicies (kopf's annotations and
-the status subresource), server-side applies its four kinds of children (Deployment, Service,
-NetworkPolicy, ConfigMap: ``patch``, and ``create``, which the API server also checks when an
-apply creates the object), lists/watches them (to recreate one deleted behind its back at
-once), gets the Deployment (its rollout), lists pods to scrape their /metrics, and creates
-events. It never deletes: children
-are owned by their ServingPolicy, so Kubernetes' garbage collector removes them. kopf runs
-standalone with CRD scanning off, so it needs no peering objects and no CRD access.
+the status subresource), server-side applies its children (Deployment, Service,
+NetworkPolicy, ConfigMap, and the router's ServiceAccount, Role and RoleBinding: ``patch``,
+and ``create``, which the API server also checks when an apply creates the object),
+lists/watches them (to recreate one deleted behind its back at once), gets the Deployments
+(their rollouts), lists and watches the serving pods (to scrape their /metrics and to follow the
+ready set a kv_aware router routes to), and creates events. It deletes only the router children
+a routing change leaves over (Deployment, Service, NetworkPolicy, ServiceAccount, Role,
+RoleBinding); everything else goes with its ServingPolicy through Kubernetes' garbage
+collector. kopf runs standalone with CRD scanning off, so it needs no peering objects and no CRD
+access.
+
+``DELEGATED`` are the grants the operator holds only to hand them on: the API server lets it
+create the router's Role (pods get, list, watch) only if it holds every permission in it.
 
 ``python -m arc_operator.rbac`` prints the rules as YAML; ``python -m arc_operator.rbac
 PATH`` writes them (committed at ``charts/arc-serving/files/operator-rbac-rules.yaml``).
@@ -29,21 +35,33 @@ RULES: list[dict[str, Any]] = [
     {
         "apiGroups": ["apps"],
         "resources": ["deployments"],
-        "verbs": ["get", "list", "watch", "create", "patch"],
+        "verbs": ["get", "list", "watch", "create", "patch", "delete"],
     },
     {
         "apiGroups": [""],
-        "resources": ["services", "configmaps"],
+        "resources": ["services", "serviceaccounts"],
+        "verbs": ["list", "watch", "create", "patch", "delete"],
+    },
+    {
+        "apiGroups": [""],
+        "resources": ["configmaps"],
         "verbs": ["list", "watch", "create", "patch"],
     },
     {
         "apiGroups": ["networking.k8s.io"],
         "resources": ["networkpolicies"],
-        "verbs": ["list", "watch", "create", "patch"],
+        "verbs": ["list", "watch", "create", "patch", "delete"],
     },
-    {"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]},
+    {
+        "apiGroups": ["rbac.authorization.k8s.io"],
+        "resources": ["roles", "rolebindings"],
+        "verbs": ["list", "watch", "create", "patch", "delete"],
+    },
+    {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
     {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
 ]
+# (group, resource, verb) granted only so that the operator may grant it to the router's Role.
+DELEGATED = frozenset({("", "pods", "get")})
 
 
 def render_rules() -> str:

@@ -2,10 +2,11 @@
 what the operator observed (pure functions).
 
 Conditions, rolled up the way KServe (knative's ConditionSet) does: ``Ready`` is the happy
-condition and depends on ``Valid``, the Deployment's rollout, and ``PolicyApplied``, checked
-in that order. Ready is True only when every dependency holds; otherwise it copies the
-reason and message of the first dependency that is False, or, if none is False, of the first
-that is Unknown. ``lastTransitionTime`` moves only when a condition's status changes.
+condition and depends on ``Valid``, the Deployment's rollout, ``PolicyApplied`` and, when a
+router runs, ``RouterReady``, checked in that order. Ready is True only when every dependency
+holds; otherwise it copies the reason and message of the first dependency that is False, or,
+if none is False, of the first that is Unknown. ``lastTransitionTime`` moves only when a
+condition's status changes.
 
 - ``Valid``: the spec passed validation (False: reason ``InvalidSpec``, nothing running was
   changed; or ``ApplyRejected``, the API server refused a child built from it, with its
@@ -14,7 +15,15 @@ that is Unknown. ``lastTransitionTime`` moves only when a condition's status cha
   ``PolicyActive``; False: ``Switching`` while pods differ, or ``InvalidSpec``; Unknown:
   ``NoReadyPods``, or ``MetricsUnavailable`` when a ready pod's /metrics could not be read;
   True ``NoReplicas`` at 0 replicas; False with Valid's reason when Valid is False).
+- ``RouterReady`` (only while the routing policy is not none and the spec is valid): True
+  (``RouterReady``) when the router Deployment has every replica ready; False
+  ``RolloutInProgress`` until then, or ``NoReadyServingPods`` while a kv_aware router has no
+  ready serving pod to route to (its Deployment is at 0 replicas).
 - ``Ready``: see above; at 0 replicas it is False with reason ``ScaledToZero``.
+
+``routingPolicy`` is the effective routing policy (also when defaulted) and
+``replicaHitRates`` each read pod's own hit rate over the interval, next to the summed
+``hitRate``.
 """
 
 from __future__ import annotations
@@ -22,16 +31,16 @@ from __future__ import annotations
 import enum
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import Field
 
 from arc_operator.metrics import PodMetrics
-from arc_operator.models import ServingPolicySpec
+from arc_operator.models import RoutingPolicy, ServingPolicySpec
 from arc_operator.models.base import FrozenModel
 
-VALID, POLICY_APPLIED, READY = "Valid", "PolicyApplied", "Ready"
+VALID, POLICY_APPLIED, ROUTER_READY, READY = "Valid", "PolicyApplied", "RouterReady", "Ready"
 INVALID_SPEC, APPLY_REJECTED = "InvalidSpec", "ApplyRejected"
 
 
@@ -55,7 +64,7 @@ class Phase(enum.StrEnum):
 class Condition(FrozenModel):
     """One status condition; lastTransitionTime changes only when status changes."""
 
-    type: str = Field(description="Valid, PolicyApplied or Ready.")
+    type: str = Field(description="Valid, PolicyApplied, RouterReady or Ready.")
     status: ConditionStatus
     reason: str = Field(description="CamelCase reason.")
     message: str = ""
@@ -63,6 +72,18 @@ class Condition(FrozenModel):
         json_schema_extra={"format": "date-time"}, description="RFC 3339 time."
     )
     observed_generation: int | None = None
+
+
+class ReplicaHitRate(FrozenModel):
+    """One serving pod's own prefix-cache hit rate over the last status interval."""
+
+    pod: str = Field(description="Serving pod name.")
+    hit_rate: float | None = Field(
+        default=None,
+        ge=0,
+        le=1,
+        description="Hit rate (tokens) of this pod; absent when it had no queries.",
+    )
 
 
 class ServingPolicyStatus(FrozenModel):
@@ -83,6 +104,16 @@ class ServingPolicyStatus(FrozenModel):
         ge=0,
         le=1,
         description="Prefix-cache hit rate (tokens) over the last status interval.",
+    )
+    routing_policy: str | None = Field(
+        default=None,
+        description="Routing policy in effect (routing.policy or its default); absent while "
+        "the spec is invalid.",
+    )
+    replica_hit_rates: list[ReplicaHitRate] = Field(
+        default_factory=list,
+        description="Each read serving pod's own hit rate over the last status interval.",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["pod"]},
     )
     conditions: list[Condition] = Field(
         default_factory=list,
@@ -140,7 +171,9 @@ class Observation:
     """Everything one status pass saw. ``scraped`` maps ready pods to their readings;
     ``unreachable`` counts ready pods whose /metrics could not be read. ``spec`` is None
     exactly when ``error`` says why the spec was not acted on (``error_reason``:
-    ``InvalidSpec`` or ``ApplyRejected``)."""
+    ``InvalidSpec`` or ``ApplyRejected``). ``router`` is the router Deployment's rollout and
+    ``router_desired`` the replicas it was given (read only while a router runs);
+    ``replica_hit_rates`` maps pods read twice to their own rate."""
 
     generation: int | None
     spec: ServingPolicySpec | None
@@ -150,6 +183,9 @@ class Observation:
     unreachable: int
     hit_rate: float | None
     error_reason: str = INVALID_SPEC
+    router: Rollout = Rollout()
+    router_desired: int = 0
+    replica_hit_rates: Mapping[str, float | None] = field(default_factory=dict)
 
 
 def _condition(
@@ -214,8 +250,29 @@ def _policy_applied(seen: Observation) -> tuple[ConditionStatus, str, str]:
     return ConditionStatus.TRUE, "PolicyActive", f"all {agreeing} ready pods report {wanted}"
 
 
+def _router_ready(seen: Observation) -> tuple[ConditionStatus, str, str] | None:
+    """RouterReady's verdict; None (no condition) without a valid spec or a router."""
+    if seen.spec is None or seen.spec.routing_policy is RoutingPolicy.NONE:
+        return None
+    policy, desired, r = seen.spec.routing_policy.value, seen.router_desired, seen.router
+    if desired == 0:
+        return (
+            ConditionStatus.FALSE,
+            "NoReadyServingPods",
+            f"the {policy} router waits for a ready serving pod (0 replicas)",
+        )
+    if not r.complete(desired):
+        return (
+            ConditionStatus.FALSE,
+            "RolloutInProgress",
+            f"{r.ready} ready and {r.updated} updated of {desired} desired router pods "
+            f"({r.replicas} exist)",
+        )
+    return ConditionStatus.TRUE, "RouterReady", f"{desired} {policy} router pods ready"
+
+
 def _ready(
-    seen: Observation, valid: Condition, applied: Condition
+    seen: Observation, valid: Condition, applied: Condition, router: Condition | None
 ) -> tuple[ConditionStatus, str, str]:
     if valid.status is not ConditionStatus.TRUE:
         return valid.status, valid.reason, valid.message
@@ -238,12 +295,14 @@ def _ready(
             f"{r.ready} ready and {r.updated} updated of {desired} desired pods "
             f"({r.replicas} exist)",
         )
-    if applied.status is not ConditionStatus.TRUE:
-        return applied.status, applied.reason, applied.message
+    for dependency in (applied, router):
+        if dependency is not None and dependency.status is not ConditionStatus.TRUE:
+            return dependency.status, dependency.reason, dependency.message
     return (
         ConditionStatus.TRUE,
         "Ready",
-        f"{desired} pods ready, serving with {seen.spec.policy.value}",
+        f"{desired} pods ready, serving with {seen.spec.policy.value}, routing "
+        f"{seen.spec.routing_policy.value}",
     )
 
 
@@ -261,7 +320,9 @@ def build_status(
     else:
         valid = condition(VALID, (ConditionStatus.TRUE, "SpecValid", "the spec is valid"))
     applied = condition(POLICY_APPLIED, _policy_applied(seen))
-    ready = condition(READY, _ready(seen, valid, applied))
+    router_verdict = _router_ready(seen)
+    router = None if router_verdict is None else condition(ROUTER_READY, router_verdict)
+    ready = condition(READY, _ready(seen, valid, applied, router))
 
     if seen.spec is None:
         phase = Phase.INVALID
@@ -279,13 +340,24 @@ def build_status(
         ready_replicas=seen.rollout.ready,
         active_policy=",".join(reported) or None,
         hit_rate=seen.hit_rate,
-        conditions=[valid, applied, ready],
+        routing_policy=None if seen.spec is None else seen.spec.routing_policy.value,
+        replica_hit_rates=[
+            ReplicaHitRate(pod=pod, hit_rate=rate)
+            for pod, rate in sorted(seen.replica_hit_rates.items())
+        ],
+        conditions=[valid, applied, *([] if router is None else [router]), ready],
     )
 
 
 def status_patch(status: ServingPolicyStatus) -> dict[str, Any]:
     """A JSON merge patch for ``.status``: unset optional fields become null (removed)."""
-    patch = status.model_dump(mode="json", by_alias=True, exclude={"conditions"})
+    patch = status.model_dump(
+        mode="json", by_alias=True, exclude={"conditions", "replica_hit_rates"}
+    )
+    patch["replicaHitRates"] = [
+        rate.model_dump(mode="json", by_alias=True, exclude_none=True)
+        for rate in status.replica_hit_rates
+    ]
     patch["conditions"] = [
         c.model_dump(mode="json", by_alias=True, exclude_none=True) for c in status.conditions
     ]

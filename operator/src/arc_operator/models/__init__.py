@@ -1,7 +1,7 @@
 """The operator's pydantic models, by concern; this package's names are what the rest imports.
 
 - ``spec``: the ServingPolicy spec, its cross-field rules and ``parse_spec``;
-- ``peers``: the NetworkPolicy peers the serving pods admit;
+- ``peers``: the NetworkPolicy peers the serving and router pods admit;
 - ``settings``: the operator's own settings (``OperatorConfig``, from the environment);
 - ``base``: the frozen, camelCase base every model shares.
 
@@ -15,9 +15,11 @@ from __future__ import annotations
 from arc_operator.models.settings import OperatorConfig
 from arc_operator.models.spec import (
     API_KEY_ENV,
+    DEFAULT_FLEET_ROUTING,
     NO_TELEMETRY_ENV,
     OWNED_ENV,
     WRITABLE_DIR_ENV,
+    RoutingPolicy,
     ServingPolicySpec,
     SpecError,
     SwitchMode,
@@ -26,10 +28,12 @@ from arc_operator.models.spec import (
 
 __all__ = [
     "API_KEY_ENV",
+    "DEFAULT_FLEET_ROUTING",
     "NO_TELEMETRY_ENV",
     "OWNED_ENV",
     "WRITABLE_DIR_ENV",
     "OperatorConfig",
+    "RoutingPolicy",
     "ServingPolicySpec",
     "SpecError",
     "SwitchMode",

@@ -10,17 +10,24 @@ from pydantic import Field, ValidationError, field_validator
 
 from arc_operator.models.base import FrozenModel
 from arc_operator.models.peers import NetworkPolicyPeer
-from arc_operator.models.spec import SpecError
+from arc_operator.models.spec import ServingPolicySpec, SpecError
 
 
 class OperatorConfig(FrozenModel):
     """The operator's own settings, read once from the environment at start-up.
 
     ``serving_peers`` (ARC_OPERATOR_SERVING_PEERS, a JSON list of NetworkPolicyPeer objects)
-    are the only clients allowed to reach the serving pods' port 8000 through each
-    ServingPolicy's NetworkPolicy child; none (the default) lets nothing in (kubelet probes are
-    not subject to NetworkPolicy). ``network_policy`` false (ARC_OPERATOR_NETWORK_POLICY) makes
-    no NetworkPolicy at all, for clusters whose own policies govern the serving pods.
+    are the clients allowed to reach a ServingPolicy's API port 8000 through its NetworkPolicy
+    children: the serving pods' when its routing policy is none, the router pods' otherwise.
+    ``monitoring_peers`` (ARC_OPERATOR_MONITORING_PEERS, the same form: Prometheus and the
+    operator itself, which scrapes the pods' /metrics) may also reach the serving pods' port
+    8000, where vLLM serves /metrics, whatever the routing, and the router pods' metrics port
+    29000. None (the default) lets nothing in (kubelet probes are not subject to
+    NetworkPolicy). ``network_policy`` false (ARC_OPERATOR_NETWORK_POLICY) makes no
+    NetworkPolicy at all, for clusters whose own policies govern the pods.
+
+    ``router_image`` (ARC_OPERATOR_ROUTER_IMAGE) is the router image of every ServingPolicy
+    whose routing.image is unset; empty, such a ServingPolicy with routing is refused.
     """
 
     env_names: ClassVar[dict[str, str]] = {
@@ -29,6 +36,8 @@ class OperatorConfig(FrozenModel):
         "scrape_timeout": "ARC_OPERATOR_SCRAPE_TIMEOUT",
         "network_policy": "ARC_OPERATOR_NETWORK_POLICY",
         "serving_peers": "ARC_OPERATOR_SERVING_PEERS",
+        "monitoring_peers": "ARC_OPERATOR_MONITORING_PEERS",
+        "router_image": "ARC_OPERATOR_ROUTER_IMAGE",
     }
 
     metrics_port: int = Field(default=8000, ge=1, le=65535)
@@ -36,8 +45,10 @@ class OperatorConfig(FrozenModel):
     scrape_timeout: float = Field(default=5.0, gt=0)
     network_policy: bool = True
     serving_peers: tuple[NetworkPolicyPeer, ...] = ()
+    monitoring_peers: tuple[NetworkPolicyPeer, ...] = ()
+    router_image: str = ""
 
-    @field_validator("serving_peers", mode="before")
+    @field_validator("serving_peers", "monitoring_peers", mode="before")
     @classmethod
     def _peers_json(cls, value: Any) -> Any:
         # The environment holds text: a JSON list.
@@ -51,8 +62,23 @@ class OperatorConfig(FrozenModel):
         return value
 
     def peers(self) -> list[dict[str, Any]] | None:
-        """The serving pods' allowed peers as manifests; None when no NetworkPolicy is made."""
+        """The API clients' peers as manifests; None when no NetworkPolicy is made."""
         return [peer.manifest() for peer in self.serving_peers] if self.network_policy else None
+
+    def router_image_for(self, spec: ServingPolicySpec) -> str:
+        """The router image of ``spec``: routing.image, else ``router_image``; SpecError when
+        both are unset."""
+        image = spec.routing.image or self.router_image
+        if not image:
+            raise SpecError(
+                "spec.routing.image: not set, and the operator has no default "
+                f"({self.env_names['router_image']}); set one of them"
+            )
+        return image
+
+    def monitoring(self) -> list[dict[str, Any]]:
+        """The metrics scrapers' peers as manifests."""
+        return [peer.manifest() for peer in self.monitoring_peers]
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str]) -> OperatorConfig:

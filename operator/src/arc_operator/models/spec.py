@@ -77,19 +77,97 @@ SECRET_KEY_PATTERN = r"^[-._a-zA-Z0-9]+$"
 DEFAULT_SECRET_KEY = "api-key"
 # vLLM's GPU block tables are built for block sizes that are multiples of 16 tokens.
 BLOCK_SIZE_MULTIPLE = 16
+# The router reads --kv-event-block-size (always cache.blockSize) into a u32: a larger value
+# stops it at start with an OverflowError (vllm-router 0.1.17, measured), and 0 is refused
+# ("needs a nonzero block size"), which the minimum of 16 already excludes.
+ROUTER_MAX_BLOCK_SIZE = 2**32 - 1
 
 
-def _owned_flag(arg: str) -> str | None:
-    """The owned vLLM flag ``arg`` sets, if any, the way vLLM's parser reads it.
+class RoutingPolicy(enum.StrEnum):
+    """How clients reach the replicas: ``none`` (the Service NAME spreads connections) or one
+    of the vLLM router's policies (its --policy choices, vllm-router 0.1.17)."""
 
-    vLLM's FlexibleArgumentParser turns ``_`` into ``-`` in flag names, and argparse accepts
-    any unambiguous prefix (``--block-si`` is ``--block-size``); no vLLM flag is itself a
-    prefix of an owned one, so every prefix of an owned flag is refused.
+    NONE = "none"
+    ROUND_ROBIN = "round_robin"
+    RANDOM = "random"
+    CONSISTENT_HASH = "consistent_hash"
+    POWER_OF_TWO = "power_of_two"
+    CACHE_AWARE = "cache_aware"
+    KV_AWARE = "kv_aware"
+    STICKY_LEAST_LOADED = "sticky_least_loaded"
+
+
+# The routing policy of a ServingPolicy with more than one replica that names none; one
+# replica (or none) needs no router. docs/architecture.md, "Routing", records why.
+DEFAULT_FLEET_ROUTING = RoutingPolicy.KV_AWARE
+# Router flags the operator sets itself (docs/architecture.md, "Routing"); routing.args may
+# not repeat or contradict them.
+OWNED_ROUTER_ARGS = frozenset(
+    {
+        "--host",
+        "--port",
+        "--policy",
+        "--worker-urls",
+        "--kv-event-source",
+        "--kv-event-replay-source",
+        "--kv-event-block-size",
+        "--kv-event-model",
+        "--service-discovery",
+        "--selector",
+        "--service-discovery-port",
+        "--service-discovery-namespace",
+        "--prometheus-port",
+        "--prometheus-host",
+        # The key reaches the router as VLLM_API_KEY from apiKeySecretRef's Secret.
+        "--api-key",
+    }
+)
+# Router flags that switch it to another mode than one regular router over one ServingPolicy's
+# pods: prefill/decode disaggregation (its workers, policies, selectors, KV connector and
+# discovery), the multi-model gateway, and the Python MiniLB fallback.
+CONFLICTING_ROUTER_ARGS = frozenset(
+    {
+        "--vllm-pd-disaggregation",
+        "--prefill",
+        "--decode",
+        "--prefill-policy",
+        "--decode-policy",
+        "--pd-kv-events",
+        "--prefill-selector",
+        "--decode-selector",
+        "--vllm-discovery-address",
+        "--kv-connector",
+        "--enable-igw",
+        "--mini-lb",
+    }
+)
+# vLLM flags the operator sets on the serving pods when routing is kv_aware: the KV event
+# publisher the router subscribes to, and the scale-out endpoints through which it renders
+# text prompts into tokens (/v1/completions/render).
+KV_AWARE_ENGINE_ARGS = frozenset(
+    {"--kv-events-config", "--enable-scale-out", "--no-enable-scale-out"}
+)
+
+
+def _flag_in(arg: str, flags: frozenset[str], *, underscores: bool) -> str | None:
+    """The flag of ``flags`` that ``arg`` sets, if any, the way argparse reads it.
+
+    argparse accepts any unambiguous prefix (``--block-si`` is ``--block-size``); no flag of
+    vLLM or of the router outside each set is itself a prefix of a flag in it (tests check
+    both parsers), so every prefix is refused. ``underscores``: vLLM's FlexibleArgumentParser
+    also reads ``_`` as ``-`` in flag names; the router's plain argparse does not.
     """
     if not arg.startswith("--") or arg == "--":
         return None
-    flag = arg.split("=", 1)[0].replace("_", "-")
-    return next((owned for owned in sorted(OWNED_ENGINE_ARGS) if owned.startswith(flag)), None)
+    flag = arg.split("=", 1)[0]
+    if underscores:
+        flag = flag.replace("_", "-")
+    return next((owned for owned in sorted(flags) if owned.startswith(flag)), None)
+
+
+def _owned_flag(arg: str) -> str | None:
+    """The owned vLLM flag ``arg`` sets, if any (see ``_flag_in``)."""
+    return _flag_in(arg, OWNED_ENGINE_ARGS, underscores=True)
 
 
 class SpecError(ValueError):
@@ -125,8 +203,10 @@ class CacheSpec(FrozenModel):
     block_size: int = Field(
         default=16,
         ge=BLOCK_SIZE_MULTIPLE,
+        le=ROUTER_MAX_BLOCK_SIZE,
         multiple_of=BLOCK_SIZE_MULTIPLE,
-        description="Tokens per KV block (a positive multiple of 16).",
+        description="Tokens per KV block (a positive multiple of 16, at most 4294967295: the "
+        "router's KV event block size, which always equals it, is a 32-bit integer).",
     )
     num_blocks: int | None = Field(
         default=None, ge=1, description="Fixed number of KV blocks (--num-gpu-blocks-override)."
@@ -244,6 +324,45 @@ class SecretKeyRef(FrozenModel):
         return key
 
 
+class RouterResources(FrozenModel):
+    """What each router pod asks the scheduler for; requests equal limits."""
+
+    cpu: str = Field(
+        default="1",
+        pattern=QUANTITY_PATTERN,
+        description="CPU request and limit per router pod (a Kubernetes quantity).",
+    )
+    memory: str = Field(
+        default="1Gi",
+        pattern=QUANTITY_PATTERN,
+        description="Memory request and limit per router pod (a Kubernetes quantity).",
+    )
+
+
+class RoutingSpec(FrozenModel):
+    """The vLLM router in front of the replicas (docs/architecture.md, "Routing")."""
+
+    policy: RoutingPolicy | None = Field(
+        default=None,
+        description="none (clients use the Service NAME) or the router's policy: round_robin, "
+        "random, consistent_hash, power_of_two, cache_aware, kv_aware, sticky_least_loaded. "
+        f"Default: {DEFAULT_FLEET_ROUTING.value} with more than one replica, else none.",
+    )
+    replicas: int = Field(default=1, ge=1, le=2**31 - 1, description="Router pods.")
+    resources: RouterResources = Field(
+        default_factory=RouterResources, description="Per router pod CPU and memory."
+    )
+    image: str | None = Field(
+        default=None,
+        min_length=1,
+        description="Router image (default: the operator's ARC_OPERATOR_ROUTER_IMAGE).",
+    )
+    args: list[str] = Field(
+        default_factory=list,
+        description="Extra router arguments, appended after the ones the operator sets.",
+    )
+
+
 # The API is closed by default: serving without a key must be asked for by name.
 API_KEY_CHOICE = (
     "set apiKeySecretRef (the Secret holding the API key) or allowUnauthenticated: true "
@@ -258,7 +377,10 @@ class ServingPolicySpec(FrozenModel):
     with numBlocks, one full-length request fits in the cache (numBlocks * blockSize >=
     maxModelLen), otherwise the pod could never serve a long prompt; engineArgs and env
     do not touch the arguments and variables the operator owns; the API is closed by
-    default: exactly one of apiKeySecretRef or ``allowUnauthenticated: true`` is set.
+    default: exactly one of apiKeySecretRef or ``allowUnauthenticated: true`` is set;
+    routing.args set no router flag the operator owns or one that selects another router
+    mode; with kv_aware routing, prefix caching stays on and engineArgs leave the KV event
+    and scale-out flags to the operator.
     """
 
     plural: ClassVar[str] = PLURAL
@@ -312,6 +434,10 @@ class ServingPolicySpec(FrozenModel):
         description="Serve /v1 without an API key: anyone who reaches the Service can use "
         "the model. Required (true) when apiKeySecretRef is not set.",
     )
+    routing: RoutingSpec = Field(
+        default_factory=RoutingSpec,
+        description="The vLLM router in front of the replicas (Deployment NAME-router).",
+    )
 
     @model_validator(mode="after")
     def _servable(self) -> ServingPolicySpec:
@@ -325,6 +451,9 @@ class ServingPolicySpec(FrozenModel):
                 f"numBlocks*blockSize={self.cache.num_blocks * self.cache.block_size} tokens"
             )
         owned_args = sorted({flag for arg in self.engine_args if (flag := _owned_flag(arg))})
+        if self.routing_policy is RoutingPolicy.KV_AWARE:
+            problems += self._kv_aware_problems(owned_args)
+        problems += self._router_arg_problems()
         if "--api-key" in owned_args:
             owned_args.remove("--api-key")
             problems.append(
@@ -349,10 +478,73 @@ class ServingPolicySpec(FrozenModel):
             raise ValueError("; ".join(problems))
         return self
 
+    def _kv_aware_problems(self, owned_args: list[str]) -> list[str]:
+        """kv_aware routes by the pods' prefix-cache events: prefix caching must stay on, and
+        the event publisher and scale-out endpoints are the operator's (``owned_args`` loses
+        the flag reported here)."""
+        problems = []
+        if "--no-enable-prefix-caching" in owned_args:
+            owned_args.remove("--no-enable-prefix-caching")
+            problems.append(
+                "engineArgs may not set --no-enable-prefix-caching: routing.policy kv_aware "
+                "routes by the pods' prefix-cache events"
+            )
+        kv_args = sorted(
+            {
+                flag
+                for arg in self.engine_args
+                if (flag := _flag_in(arg, KV_AWARE_ENGINE_ARGS, underscores=True))
+            }
+        )
+        if kv_args:
+            problems.append(
+                f"engineArgs may not set {', '.join(kv_args)} (set by the operator when "
+                "routing.policy is kv_aware)"
+            )
+        return problems
+
+    def _router_arg_problems(self) -> list[str]:
+        args = self.routing.args
+        owned = sorted(
+            {flag for arg in args if (flag := _flag_in(arg, OWNED_ROUTER_ARGS, underscores=False))}
+        )
+        problems = []
+        if "--api-key" in owned:
+            owned.remove("--api-key")
+            problems.append(
+                "routing.args may not set --api-key (the router reads the key from "
+                "apiKeySecretRef's Secret through VLLM_API_KEY)"
+            )
+        if owned:
+            problems.append(
+                f"routing.args may not set {', '.join(owned)} (set by the operator from spec)"
+            )
+        modes = sorted(
+            {
+                flag
+                for arg in args
+                if (flag := _flag_in(arg, CONFLICTING_ROUTER_ARGS, underscores=False))
+            }
+        )
+        if modes:
+            problems.append(
+                f"routing.args may not set {', '.join(modes)} (another router mode than one "
+                "router over this ServingPolicy's pods)"
+            )
+        return problems
+
     @property
     def policy_name(self) -> str:
         """The lower-case policy name the plugin and its metrics use."""
         return self.policy.value.lower()
+
+    @property
+    def routing_policy(self) -> RoutingPolicy:
+        """The effective routing policy: routing.policy, or DEFAULT_FLEET_ROUTING with more
+        than one replica and none otherwise."""
+        if self.routing.policy is not None:
+            return self.routing.policy
+        return DEFAULT_FLEET_ROUTING if self.replicas > 1 else RoutingPolicy.NONE
 
 
 def _describe(error: ValidationError) -> str:
