@@ -35,6 +35,19 @@ HELM_TIMEOUT_S = 60
 PLUGIN_METRICS = frozenset(METRIC_NAMES)
 # Series every Prometheus target has.
 SCRAPE_METRICS = frozenset({"up"})
+# vllm-router 0.1.17's series on its --prometheus-port that the dashboards and alerts read, as
+# read from a running router's /metrics (counters keep their _total, histograms end in
+# _bucket/_sum/_count); router_registers() finds each family in the installed router.
+ROUTER_HISTOGRAMS = frozenset({"vllm_router_generate_duration_seconds"})
+ROUTER_METRICS = frozenset(
+    {
+        "vllm_router_prefix_routing_decisions_total",
+        "vllm_router_kv_placement_lookups_total",
+        "vllm_router_worker_health",
+        "vllm_router_cb_state",
+    }
+    | {f"{name}{suffix}" for name in ROUTER_HISTOGRAMS for suffix in ("_bucket", "_sum", "_count")}
+)
 
 
 def tool(name: str) -> Path:
@@ -131,6 +144,22 @@ def vllm_metric_names() -> frozenset[str]:
     return frozenset(names)
 
 
+@cache
+def _router_extension() -> bytes:
+    spec = importlib.util.find_spec("vllm_router_rs")  # locates the extension, no import
+    assert spec is not None and spec.origin is not None, "vllm-router is not installed"
+    return Path(spec.origin).read_bytes()
+
+
+def router_registers(family: str) -> bool:
+    """Whether the installed router (PyPI vllm-router) names metric family ``family``.
+
+    The router names its metrics in string literals of its compiled Rust extension, so a family
+    missing there is one this router version never exports.
+    """
+    return family.encode() in _router_extension()
+
+
 def known_metric_names() -> frozenset[str]:
     """Every series name a dashboard or alert may query."""
-    return vllm_metric_names() | PLUGIN_METRICS | SCRAPE_METRICS
+    return vllm_metric_names() | PLUGIN_METRICS | SCRAPE_METRICS | ROUTER_METRICS

@@ -1,5 +1,5 @@
 """The alert rules: promtool checks and unit-tests files/alerts.yaml as it is and as the
-PrometheusRule renders it; every metric they use is one vLLM or the plugin exports.
+PrometheusRule renders it; every metric they use is one vLLM, the plugin or the router exports.
 """
 
 from __future__ import annotations
@@ -8,7 +8,18 @@ from pathlib import Path
 
 import promql_parser
 import yaml
-from chart_helpers import ALERTS_FILE, ci_values, known_metric_names, one, render, run, tool
+from chart_helpers import (
+    ALERTS_FILE,
+    ROUTER_HISTOGRAMS,
+    ROUTER_METRICS,
+    ci_values,
+    known_metric_names,
+    one,
+    render,
+    router_registers,
+    run,
+    tool,
+)
 
 UNIT_TESTS = Path(__file__).with_name("alerts_test.yaml")
 
@@ -24,7 +35,7 @@ def file_groups() -> list[dict]:
 def test_promtool_checks_the_rule_file() -> None:
     result = run([tool("promtool"), "check", "rules", ALERTS_FILE])
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "SUCCESS: 6 rules found" in result.stdout
+    assert "SUCCESS: 10 rules found" in result.stdout
 
 
 def test_promtool_unit_tests_pass() -> None:
@@ -78,3 +89,19 @@ def test_rendered_prometheusrule_passes_promtool_and_applies_values(tmp_path: Pa
 def test_default_prometheusrule_is_the_file_unchanged() -> None:
     rule = one(render(sets={"prometheusRule.enabled": "true"}), "PrometheusRule")
     assert rule["spec"]["groups"] == file_groups()
+
+
+def test_router_metrics_are_the_installed_routers() -> None:
+    counters_and_gauges = {
+        n for n in ROUTER_METRICS if not n.endswith(("_sum", "_count", "_bucket"))
+    }
+    for family in sorted(ROUTER_HISTOGRAMS | counters_and_gauges):
+        assert router_registers(family), family
+    # A misspelt family is not found.
+    assert not router_registers("vllm_router_prefix_routing_decision_total")
+
+
+def test_engine_and_router_down_alerts_split_the_targets() -> None:
+    rules = alerts(file_groups())
+    assert 'container!="router"' in rules["ArcServingEngineDown"]["expr"]
+    assert 'container="router"' in rules["ArcServingRouterDown"]["expr"]

@@ -1,9 +1,10 @@
 """The Dockerfiles under images/: pinned bases (no `latest`), a non-root final user, pinned
-packages, and the Makefile builds each of them.
+packages, and the Makefile builds each of them; the router image runs the tested router.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -27,13 +28,28 @@ def instructions(path: Path) -> list[tuple[str, str]]:
     return result
 
 
-def test_the_four_images_exist() -> None:
+def test_the_five_images_exist() -> None:
     assert [path.name for path in IMAGES] == [
         "loadtest.Dockerfile",
         "operator.Dockerfile",
+        "router.Dockerfile",
         "vllm-cpu.Dockerfile",
         "vllm.Dockerfile",
     ]
+
+
+def test_router_image_installs_the_tested_router_and_runs_it_without_a_shell() -> None:
+    steps = instructions(REPO / "images" / "router.Dockerfile")
+    installs = " ".join(args for keyword, args in steps if keyword == "RUN")
+    # The version the dev venv runs (docs/architecture.md, "Routing").
+    assert '"vllm-router==0.1.17"' in installs
+    assert ("USER", "10001:10001") in steps
+    (entrypoint,) = [args for keyword, args in steps if keyword == "ENTRYPOINT"]
+    assert json.loads(entrypoint) == ["vllm-router"], "exec form, no shell"
+    assert not [args for keyword, args in steps if keyword in {"COPY", "ADD"}]
+    ignore = (REPO / "images" / "router.Dockerfile.dockerignore").read_text(encoding="utf-8")
+    rules = [line for line in ignore.splitlines() if line and not line.startswith("#")]
+    assert rules == ["*"], "the build context admits nothing of the source tree"
 
 
 @pytest.mark.parametrize("path", IMAGES, ids=lambda p: p.stem)

@@ -108,7 +108,21 @@ def serving_children(objects: list[dict[str, Any]], namespace: str) -> list[dict
     if servingpolicies:
         (servingpolicy,) = servingpolicies
         name, spec = servingpolicy["metadata"]["name"], parse_spec(servingpolicy["spec"])
-    return manifests.children(name, namespace, spec, operator_config(objects).peers())
+    config = operator_config(objects)
+    return manifests.children(name, namespace, spec, config.peers(), config.monitoring())
+
+
+def router_children(objects: list[dict[str, Any]], namespace: str) -> list[dict[str, Any]]:
+    """The router children the operator builds for the chart's ServingPolicy in ``namespace``
+    with two ready serving pods."""
+    (servingpolicy,) = by_kind(objects, "ServingPolicy")
+    name, spec = servingpolicy["metadata"]["name"], parse_spec(servingpolicy["spec"])
+    config = operator_config(objects)
+    ready = [manifests.Endpoint(f"{name}-{i}", f"10.0.0.{i + 1}") for i in range(2)]
+    return manifests.router_children(
+        name, namespace, spec, ready, image=config.router_image_for(spec), peers=config.peers(),
+        monitoring=config.monitoring(),
+    )  # fmt: skip
 
 
 def engine_policy(objects: list[dict[str, Any]], namespace: str = NAMESPACE) -> dict:
@@ -195,6 +209,57 @@ def test_serving_pods_admit_ingress_prometheus_operator_and_chart_clients_only()
     # A ServingPolicy in any other namespace gets the same peers (the operator builds its policy).
     assert engine_policy(objects, "team-x")["spec"]["ingress"] == np["spec"]["ingress"]
     assert engine_policy(objects, "team-x")["metadata"]["namespace"] == "team-x"
+
+
+NGINX = {"app.kubernetes.io/name": "ingress-nginx", "app.kubernetes.io/component": "c"}
+PROMETHEUS = {"app.kubernetes.io/name": "prometheus"}
+
+
+def test_ingress_reaches_the_router_and_only_the_router_reaches_the_engines() -> None:
+    objects = render(ci_values("routing-values.yaml"))
+    chart_pods = {component: meta["labels"] for component, meta, _ in pods(objects)}
+    engines = engine_policy(objects)
+    (router,) = by_kind(router_children(objects, NAMESPACE), "NetworkPolicy")
+    kubernetes_validate.validate(router, K8S_VERSION, strict=True)
+    (router_deployment,) = by_kind(router_children(objects, NAMESPACE), "Deployment")
+    router_pod = router_deployment["spec"]["template"]["metadata"]["labels"]
+    assert selects(router["spec"]["podSelector"], router_pod)
+    assert not selects(router["spec"]["podSelector"], engine_pod_labels(objects))
+    # ingress controller -> router -> serving pods
+    assert admitted(router, "ingress-nginx", NGINX, manifests.PORT)
+    assert admitted(engines, NAMESPACE, router_pod, manifests.PORT)
+    assert not admitted(engines, "ingress-nginx", NGINX, manifests.PORT), "only via the router"
+    # The chart's clients go through the router too.
+    for component in ("loadtest-master", "loadtest-worker", "test"):
+        assert admitted(router, NAMESPACE, chart_pods[component], manifests.PORT), component
+        assert not admitted(engines, NAMESPACE, chart_pods[component], manifests.PORT), component
+    # Only the router subscribes to the KV events.
+    for port in (manifests.KV_EVENTS_PORT, manifests.KV_REPLAY_PORT):
+        assert admitted(engines, NAMESPACE, router_pod, port)
+        assert not admitted(engines, "ingress-nginx", NGINX, port)
+        assert not admitted(engines, NAMESPACE, chart_pods["operator"], port)
+    # Metrics: Prometheus scrapes both, the operator the serving pods; nothing else reaches 29000.
+    assert admitted(engines, "monitoring", PROMETHEUS, manifests.PORT)
+    assert admitted(engines, NAMESPACE, chart_pods["operator"], manifests.PORT)
+    assert admitted(router, "monitoring", PROMETHEUS, manifests.ROUTER_METRICS_PORT)
+    assert not admitted(router, "ingress-nginx", NGINX, manifests.ROUTER_METRICS_PORT)
+    assert not admitted(router, "monitoring", PROMETHEUS, manifests.PORT)
+    # The chart's own egress rules let its clients reach the router pods' port 8000.
+    egress = policy(objects, "test")["spec"]["egress"]
+    assert any(
+        peer_admits(peer, NAMESPACE, router_pod, NAMESPACE)
+        and {"port": manifests.PORT, "protocol": "TCP"} in rule["ports"]
+        for rule in egress
+        for peer in rule["to"]
+    )
+
+
+def test_without_a_router_the_api_clients_reach_the_serving_pods() -> None:
+    objects = render(sets={"servingPolicy.replicas": "3", "servingPolicy.routing.policy": "none"})
+    engines = engine_policy(objects)
+    assert admitted(engines, "ingress-nginx", NGINX, manifests.PORT)
+    assert admitted(engines, "monitoring", PROMETHEUS, manifests.PORT)
+    assert router_children(objects, NAMESPACE) == []
 
 
 def test_the_chart_renders_no_serving_pod_policy_of_its_own() -> None:

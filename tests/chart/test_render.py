@@ -30,8 +30,15 @@ from chart_helpers import (
     tool,
 )
 
-from arc_operator.manifests import PORT, PORT_NAME, labels
-from arc_operator.models import parse_spec
+from arc_operator.manifests import (
+    PORT,
+    PORT_NAME,
+    ROUTER_METRICS_PORT_NAME,
+    labels,
+    pod_template,
+    router_labels,
+)
+from arc_operator.models import DEFAULT_FLEET_ROUTING, RoutingPolicy, parse_spec
 from arc_serving_common.traces import read_trace
 
 K8S_VERSION = "1.35.0"
@@ -52,6 +59,16 @@ CLUSTER_SCOPED = {
     "storageclasses",
     "ingressclasses",
     "priorityclasses",
+}
+
+
+# A spec the operator accepts, for labels it builds (any ServingPolicy's pods carry them).
+CHART_SPEC = {
+    "model": {"name": "m"},
+    "image": "i:1",
+    "cache": {"numBlocks": 512},
+    "maxModelLen": 4096,
+    "allowUnauthenticated": True,
 }
 
 
@@ -174,10 +191,14 @@ def test_operator_watches_all_namespaces_with_a_cluster_role() -> None:
     assert "--all-namespaces" in container["args"]
     # ARC_OPERATOR_METRICS_PORT is left at its default, the engine pods' port.
     env = {var["name"]: var["value"] for var in container["env"]}
-    # The serving pods' NetworkPolicy peers (tests/chart/test_network_policy.py checks them).
-    peers = json.loads(env.pop("ARC_OPERATOR_SERVING_PEERS"))
-    assert len(peers) == 3
-    assert env == {"ARC_OPERATOR_STATUS_INTERVAL": "30", "ARC_OPERATOR_NETWORK_POLICY": "true"}
+    # The NetworkPolicy peers (tests/chart/test_network_policy.py checks what they admit).
+    assert len(json.loads(env.pop("ARC_OPERATOR_SERVING_PEERS"))) == 2
+    assert len(json.loads(env.pop("ARC_OPERATOR_MONITORING_PEERS"))) == 2
+    assert env == {
+        "ARC_OPERATOR_STATUS_INTERVAL": "30",
+        "ARC_OPERATOR_ROUTER_IMAGE": "ghcr.io/arc-serving/router:0.1.0",
+        "ARC_OPERATOR_NETWORK_POLICY": "true",
+    }
     rules = yaml.safe_load(RBAC_FILE.read_text(encoding="utf-8"))
     assert one(objects, "ClusterRole")["rules"] == rules
     binding = one(objects, "ClusterRoleBinding")
@@ -369,20 +390,33 @@ def test_dashboards_configmap_carries_the_dashboard_files_for_the_sidecar() -> N
     }
 
 
+def selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    """Kubernetes LabelSelector semantics for matchLabels."""
+    return all(labels.get(key) == value for key, value in selector["matchLabels"].items())
+
+
+# The labels the operator puts on the pods and Services of any ServingPolicy: the serving
+# pods' and the router's (docs/architecture.md, "Routing").
+ENGINE_LABELS = (labels("any"), pod_template("any", parse_spec(CHART_SPEC))["metadata"]["labels"])
+ROUTER_LABELS = router_labels("any")
+
+
 def test_monitors_select_engine_pods_and_label_series_by_servingpolicy() -> None:
-    pod_monitor = one(render(ci_values("monitoring-values.yaml")), "PodMonitor")
-    service_monitor = one(
-        render(sets={"monitoring.serviceMonitor.enabled": "true"}), "ServiceMonitor"
+    pod_monitor = component(render(ci_values("monitoring-values.yaml")), "PodMonitor", "engine")
+    service_monitor = component(
+        render(sets={"monitoring.serviceMonitor.enabled": "true"}), "ServiceMonitor", "engine"
     )
-    # The labels the operator puts on the engine pods and Services of any ServingPolicy.
-    engine_labels = labels("any")
     for monitor, endpoints in (
         (pod_monitor, pod_monitor["spec"]["podMetricsEndpoints"]),
         (service_monitor, service_monitor["spec"]["endpoints"]),
     ):
-        selector = monitor["spec"]["selector"]["matchLabels"]
-        assert selector and selector.items() <= engine_labels.items()
-        assert "app.kubernetes.io/instance" not in selector, "every ServingPolicy is scraped"
+        selector = monitor["spec"]["selector"]
+        assert all(selects(selector, engine) for engine in ENGINE_LABELS)
+        assert not selects(selector, ROUTER_LABELS), "the router's port http has no engine metrics"
+        assert selector == {"matchLabels": selector["matchLabels"]}
+        assert "app.kubernetes.io/instance" not in selector["matchLabels"], (
+            "every ServingPolicy is scraped"
+        )
         assert endpoints[0]["port"] == PORT_NAME and endpoints[0]["path"] == "/metrics"
         assert endpoints[0]["relabelings"] == [
             {
@@ -393,6 +427,133 @@ def test_monitors_select_engine_pods_and_label_series_by_servingpolicy() -> None
     assert pod_monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"
     assert pod_monitor["spec"]["namespaceSelector"] == {"any": True}
     assert "namespaceSelector" not in service_monitor["spec"]
+
+
+@pytest.mark.parametrize("kind", ["PodMonitor", "ServiceMonitor"])
+def test_router_monitors_scrape_only_the_routers_metrics_port(kind: str) -> None:
+    switch = "podMonitor" if kind == "PodMonitor" else "serviceMonitor"
+    objects = render(sets={f"monitoring.{switch}.enabled": "true"})
+    monitor = component(objects, kind, "router")
+    selector = monitor["spec"]["selector"]
+    assert selects(selector, ROUTER_LABELS)
+    assert not any(selects(selector, engine) for engine in ENGINE_LABELS)
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints" if kind == "PodMonitor" else "endpoints"]
+    # vllm-router's --prometheus-port, as the operator names it on the router's pods and Service.
+    assert (endpoint["port"], endpoint["path"]) == (ROUTER_METRICS_PORT_NAME, "/metrics")
+    engine = component(objects, kind, "engine")
+    engine_endpoint = engine["spec"]["podMetricsEndpoints" if kind == "PodMonitor" else "endpoints"]
+    assert endpoint["relabelings"] == engine_endpoint[0]["relabelings"]
+    assert endpoint["interval"] == engine_endpoint[0]["interval"]
+
+
+def fleet_targets(objects: list[dict[str, Any]]) -> dict[str, str]:
+    """Where the Ingress, the load test and helm test send requests (Service names)."""
+    ingress = one(objects, "Ingress")["spec"]["rules"][0]["http"]["paths"][0]["backend"]
+    master = next(j for j in by_kind(objects, "Job") if "lt-master" in j["metadata"]["name"])
+    (host,) = [
+        arg.removeprefix("--host=http://")
+        for arg in master["spec"]["template"]["spec"]["containers"][0]["args"]
+        if arg.startswith("--host=")
+    ]
+    script = one(objects, "Pod")["spec"]["containers"][0]["args"][0]
+    (test_host,) = set(re.findall(r"http://([-a-z0-9.]+):8000/", script))
+    return {
+        "ingress": ingress["service"]["name"],
+        "loadtest": host.removesuffix(f".{NAMESPACE}.svc:{PORT}"),
+        "test": test_host,
+    }
+
+
+TARGETS = {"ingress.enabled": "true", "loadtest.enabled": "true",
+           "loadtest.trace.existingConfigMap": "t"}  # fmt: skip
+ROUTER_RESOURCES = {"cpu": "1", "memory": "1Gi"}
+
+
+@pytest.mark.parametrize(
+    ("sets", "routing", "target"),
+    [
+        pytest.param({}, None, "rel-arc-serving", id="one-replica-no-router"),
+        pytest.param(
+            {"servingPolicy.replicas": "2"},
+            {"policy": "kv_aware", "replicas": 1, "resources": ROUTER_RESOURCES},
+            "rel-arc-serving-router",
+            id="fleet-defaults-to-kv-aware",
+        ),
+        pytest.param(
+            {"servingPolicy.replicas": "3", "servingPolicy.routing.policy": "none"},
+            {"policy": "none"},
+            "rel-arc-serving",
+            id="fleet-without-router",
+        ),
+        pytest.param(
+            {"servingPolicy.routing.policy": "round_robin"},
+            {"policy": "round_robin", "replicas": 1, "resources": ROUTER_RESOURCES},
+            "rel-arc-serving-router",
+            id="one-replica-behind-a-router",
+        ),
+        pytest.param(
+            {"servingPolicy.replicas": "0", "servingPolicy.routing.policy": "cache_aware"},
+            {"policy": "cache_aware", "replicas": 1, "resources": ROUTER_RESOURCES},
+            "rel-arc-serving-router",
+            id="stopped-fleet-keeps-its-router-service",
+        ),
+    ],
+)
+def test_clients_target_the_router_exactly_when_routing_is_on(
+    sets: dict[str, str], routing: dict[str, Any] | None, target: str
+) -> None:
+    objects = render(sets={**TARGETS, **sets})
+    spec = one(objects, "ServingPolicy")["spec"]
+    assert spec.get("routing") == routing
+    assert fleet_targets(objects) == {"ingress": target, "loadtest": target, "test": target}
+    # The operator runs a router exactly when the chart sends clients to one.
+    routed = parse_spec(spec).routing_policy is not RoutingPolicy.NONE
+    assert routed == target.endswith("-router")
+
+
+@pytest.mark.parametrize("replicas", [0, 1, 2, 5])
+def test_chart_default_routing_is_the_operators(replicas: int) -> None:
+    """With routing.policy unset, what the chart writes is what the operator would pick for
+    the same spec without it (DEFAULT_FLEET_ROUTING for a fleet, none for one replica)."""
+    spec = one(render(sets={"servingPolicy.replicas": str(replicas)}), "ServingPolicy")["spec"]
+    chart = spec.get("routing", {}).get("policy", "none")
+    without = {key: value for key, value in spec.items() if key != "routing"}
+    assert chart == parse_spec(without).routing_policy.value
+    if replicas > 1:
+        assert chart == DEFAULT_FLEET_ROUTING.value
+
+
+def test_routing_values_reach_the_servingpolicy_and_the_operator() -> None:
+    objects = render(ci_values("routing-values.yaml"))
+    policy = one(objects, "ServingPolicy")
+    assert policy["spec"]["routing"] == {
+        "policy": "kv_aware",
+        "replicas": 2,
+        "resources": {"cpu": "2", "memory": "2Gi"},
+        "args": ["--request-timeout-secs=900", "--log-level=info"],
+    }
+    assert fleet_targets(objects) == dict.fromkeys(("ingress", "loadtest", "test"), "chat-router")
+    # The router image reaches the operator, never the spec (one setting rolls every router).
+    operator = component(objects, "Deployment", "operator")
+    env = {var["name"]: var.get("value") for var in
+           operator["spec"]["template"]["spec"]["containers"][0]["env"]}  # fmt: skip
+    assert env["ARC_OPERATOR_ROUTER_IMAGE"] == "ghcr.io/arc-serving/router:0.1.0"
+
+
+def test_router_image_pinned_by_digest_reaches_the_operator() -> None:
+    digest = "sha256:" + "ab" * 32
+    objects = render(sets={"router.image.digest": digest, "router.image.registry": "reg.local"})
+    container = component(objects, "Deployment", "operator")["spec"]["template"]["spec"]
+    env = {var["name"]: var.get("value") for var in container["containers"][0]["env"]}
+    assert env["ARC_OPERATOR_ROUTER_IMAGE"] == f"reg.local/arc-serving/router@{digest}"
+
+
+def test_notes_name_the_router_and_restart_it_on_key_rotation() -> None:
+    text = notes("servingPolicy.replicas=2")
+    assert "through the vLLM router (policy kv_aware), Service rel-arc-serving-router" in text
+    assert f"port-forward service/{RELEASE}-arc-serving-router 8000:http" in text
+    assert "rollout restart deployment/rel-arc-serving deployment/rel-arc-serving-router" in text
+    assert "-router" not in notes()
 
 
 def test_ingress_to_an_existing_service_without_the_default_servingpolicy() -> None:

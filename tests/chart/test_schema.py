@@ -105,6 +105,42 @@ TRACE = "loadtest.trace"
         pytest.param(
             {"operator.image.digest": "sha256:abc"}, "/operator/image/digest", id="digest"
         ),
+        pytest.param(
+            {"servingPolicy.routing.policy": "least_loaded"},
+            "at '/servingPolicy/routing/policy': value must be one of '', 'none', 'round_robin'",
+            id="unknown-routing-policy",
+        ),
+        pytest.param(
+            {"servingPolicy.routing.policy": "KV_AWARE"},
+            "/servingPolicy/routing/policy",
+            id="upper-case-routing-policy",
+        ),
+        pytest.param(
+            {"servingPolicy.routing.replicas": "0"},
+            "at '/servingPolicy/routing/replicas': minimum: got 0, want 1",
+            id="no-router-pods",
+        ),
+        pytest.param(
+            {"servingPolicy.routing.resources.memory": "a lot"},
+            "/servingPolicy/routing/resources/memory",
+            id="router-memory-quantity",
+        ),
+        pytest.param(
+            {"servingPolicy.routing.image": "r:1"},
+            "additional properties 'image'",
+            id="router-image-in-servingpolicy-values",
+        ),
+        pytest.param(
+            {"servingPolicy.routing.args": "--policy=random"},
+            "/servingPolicy/routing/args",
+            id="router-args-not-a-list",
+        ),
+        pytest.param(
+            {"router.image.pullPolicy": "Always"},
+            "additional properties 'pullPolicy'",
+            id="router-pull-policy",
+        ),
+        pytest.param({"router.image.repository": ""}, "/router/image/repository", id="router-repo"),
     ],
 )
 def test_schema_rejects_bad_values(sets: dict[str, str], message: str) -> None:

@@ -45,6 +45,8 @@ IMAGES = {
     "vllm-cpu": ["common", "evictor"],
     "operator": ["common", "operator"],
     "loadtest": ["common", "loadtest"],
+    # The vLLM router's own PyPI wheel; no product of ours.
+    "router": [],
 }
 OWN_PACKAGES = {package for _, package in PRODUCTS.values()}
 

@@ -1,5 +1,6 @@
 """Helpers of the live dashboard and alert tests: the chart's rules on a shorter clock, an alert
-recorder, and the load that causes each alert on the real vLLM server."""
+recorder, the scrape job of the chart's router PodMonitor, and the load that causes each alert
+on the real vLLM server."""
 
 from __future__ import annotations
 
@@ -14,8 +15,9 @@ from typing import Any
 
 import requests
 
-from arc_dev.prometheus import PrometheusError, PrometheusServer
+from arc_dev.prometheus import EngineTarget, PrometheusError, PrometheusServer, pod_monitor_job
 from arc_dev.vllm_server import VllmServer
+from arc_operator.manifests import ROUTER_CONTAINER, ROUTER_METRICS_PORT_NAME
 
 SECONDS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400}
 # A duration in a range selector ("[15m]") or after "offset".
@@ -47,6 +49,21 @@ def shortened_rules(groups: Sequence[dict[str, Any]], factor: int) -> dict[str, 
             rules.append(rule)
         rewritten.append(dict(group) | {"rules": rules})
     return {"groups": rewritten}
+
+
+def router_monitor_job(
+    namespace: str, monitor: str, targets: Sequence[EngineTarget], interval_s: float
+) -> dict[str, Any]:
+    """The scrape job the Prometheus Operator generates for the chart's router PodMonitor: the
+    engine job's labels and relabelling, with the router pod's container and metrics port names
+    (the operator's, arc_operator.manifests)."""
+    job = pod_monitor_job(namespace, monitor, targets, interval_s)
+    for static in job["static_configs"]:
+        static["labels"]["__meta_kubernetes_pod_container_name"] = ROUTER_CONTAINER
+    for rule in job["relabel_configs"]:
+        if rule.get("target_label") == "endpoint":
+            rule["replacement"] = ROUTER_METRICS_PORT_NAME
+    return job
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,19 +1,31 @@
-"""The pieces the live dashboard tests rely on, checked without a server: the scrape job
-matches the chart's PodMonitor, the rules are shortened mechanically, and Grafana's variables
+"""The pieces the live dashboard tests rely on, checked without a server: the scrape jobs
+match the chart's PodMonitors, the rules are shortened mechanically, and Grafana's variables
 expand by Grafana's rules."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import yaml
 
 from arc_dev.dashboards import Intervals, expand, variable_value
 from arc_dev.prometheus import CHART_RELABELINGS, EngineTarget, pod_monitor_job
-from tests.chart.chart_helpers import ALERTS_FILE, one, render
-from tests.prometheus.live_stack import shortened_rules
+from arc_operator.manifests import ROUTER_CONTAINER, ROUTER_METRICS_PORT_NAME
+from tests.chart.chart_helpers import ALERTS_FILE, by_kind, one, render
+from tests.prometheus.live_stack import router_monitor_job, shortened_rules
+
+
+def pod_monitor(role: str) -> dict[str, Any]:
+    """The chart's PodMonitor for ``role`` (engine or router)."""
+    monitors = by_kind(render(sets={"monitoring.podMonitor.enabled": "true"}), "PodMonitor")
+    return one(
+        [m for m in monitors if m["metadata"]["labels"]["app.kubernetes.io/component"] == role],
+        "PodMonitor",
+    )
 
 
 def test_scrape_job_relabels_like_the_charts_pod_monitor() -> None:
-    monitor = one(render(sets={"monitoring.podMonitor.enabled": "true"}), "PodMonitor")
+    monitor = pod_monitor("engine")
     endpoint = monitor["spec"]["podMetricsEndpoints"][0]
     assert (endpoint["port"], endpoint["path"]) == ("http", "/metrics")
     chart_rules = [
@@ -27,6 +39,24 @@ def test_scrape_job_relabels_like_the_charts_pod_monitor() -> None:
     assert job["relabel_configs"][-len(chart_rules) :] == chart_rules
     targets = {rule["target_label"] for rule in job["relabel_configs"]}
     assert {"namespace", "pod", "container", "job", "servingpolicy"} <= targets
+
+
+def test_router_scrape_job_scrapes_like_the_charts_router_pod_monitor() -> None:
+    monitor = pod_monitor("router")
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    assert (endpoint["port"], endpoint["path"]) == (ROUTER_METRICS_PORT_NAME, "/metrics")
+    name, namespace = monitor["metadata"]["name"], monitor["metadata"]["namespace"]
+    job = router_monitor_job(namespace, name, [EngineTarget("127.0.0.1:1", "ns", "p", "sp")], 1)
+    assert job["job_name"] == f"podMonitor/{namespace}/{name}/0"
+    chart_rules = [
+        {"source_labels": rule["sourceLabels"], "target_label": rule["targetLabel"]}
+        for rule in endpoint["relabelings"]
+    ]
+    assert job["relabel_configs"][-len(chart_rules) :] == chart_rules
+    (static,) = job["static_configs"]
+    assert static["labels"]["__meta_kubernetes_pod_container_name"] == ROUTER_CONTAINER
+    replacements = {r["target_label"]: r.get("replacement") for r in job["relabel_configs"]}
+    assert replacements["endpoint"] == ROUTER_METRICS_PORT_NAME
 
 
 def test_rules_are_shortened_in_every_duration_and_nothing_else() -> None:

@@ -122,14 +122,36 @@ operator's "NAME-policy" ConfigMap name a 63-character label (ConfigMap names al
 {{- end }}
 
 {{/*
+The default ServingPolicy's effective routing policy (docs/architecture.md, "Routing"):
+servingPolicy.routing.policy when set, else the operator's default, kv_aware when the
+ServingPolicy has more than one replica and none otherwise. The ServingPolicy template passes
+the result explicitly whenever the operator's default could differ from it, so what the
+Ingress, the load test and helm test target always matches what the operator runs.
+*/}}
+{{- define "arc-serving.routingPolicy" -}}
+{{- $routing := .Values.servingPolicy.routing }}
+{{- if $routing.policy }}
+{{- $routing.policy }}
+{{- else if gt (int .Values.servingPolicy.replicas) 1 }}
+{{- "kv_aware" }}
+{{- else }}
+{{- "none" }}
+{{- end }}
+{{- end }}
+
+{{/*
 The Service the ingress and the load test send requests to: ingress.serviceName, else the
-default ServingPolicy's Service. Fails when neither exists, since nothing would create it.
+default ServingPolicy's Service: the router's, NAME-router, when its routing policy is not
+none, else the engines', NAME (the operator's names; NAME is at most 56 characters, so
+NAME-router fits a 63-character Service name). Fails when neither exists, since nothing would
+create it.
 */}}
 {{- define "arc-serving.servingServiceName" -}}
 {{- if .Values.ingress.serviceName }}
 {{- .Values.ingress.serviceName }}
 {{- else if .Values.servingPolicy.enabled }}
 {{- include "arc-serving.servingPolicyName" . }}
+{{- if ne (include "arc-serving.routingPolicy" .) "none" }}-router{{ end }}
 {{- else }}
 {{- fail "arc-serving: servingPolicy.enabled is false, so the chart creates no ServingPolicy and no Service for the ingress or the load test to send requests to; set ingress.serviceName to an existing ServingPolicy's Service (and loadtest.host for a load test without the ingress), or enable servingPolicy" }}
 {{- end }}
@@ -179,7 +201,8 @@ Namespace the dashboard ConfigMaps go to (the Grafana sidecar may watch only its
 {{- end }}
 
 {{/*
-Relabelings shared by the engine PodMonitor and ServiceMonitor: every series gets the
+Relabelings shared by the engine and router PodMonitors and ServiceMonitors (the operator
+labels router pods with arcserving.io/servingpolicy too): every series gets the
 `servingpolicy` label (from the pod label arcserving.io/servingpolicy) that the dashboards and
 alerts group by; `namespace` and `pod` come from the Prometheus Operator itself (endpoint discovery for a
 ServiceMonitor also carries the backing pod's labels).
@@ -187,6 +210,18 @@ ServiceMonitor also carries the backing pod's labels).
 {{- define "arc-serving.engineRelabelings" -}}
 - sourceLabels: [__meta_kubernetes_pod_label_arcserving_io_servingpolicy]
   targetLabel: servingpolicy
+{{- end }}
+
+{{/*
+The label selector of the monitors (podmonitor.yaml, servicemonitor.yaml) for one role,
+"engine" or "router": the labels the operator puts on the pods and Services of any
+ServingPolicy, the engines' (name arc-serving-engine) or the routers' (name arc-serving-router,
+docs/architecture.md, "Routing"). Call with the role.
+*/}}
+{{- define "arc-serving.monitorSelector" -}}
+matchLabels:
+  app.kubernetes.io/name: arc-serving-{{ . }}
+  app.kubernetes.io/managed-by: arc-serving-operator
 {{- end }}
 
 {{/*
@@ -219,27 +254,37 @@ pull policy is not Always. Call with (dict "image" .Values.operator.image "skips
 {{- end }}
 
 {{/*
-The peers allowed to reach the serving pods' port 8000, as the JSON list of NetworkPolicyPeer
-objects the operator reads from ARC_OPERATOR_SERVING_PEERS (it builds each ServingPolicy's
-NetworkPolicy from them): the ingress controller, Prometheus, this release's operator, load-test
-and helm-test pods (release namespace), then networkPolicy.extraServingFrom. Call with the root
-context.
+NetworkPolicy peers the operator builds each ServingPolicy's NetworkPolicies from
+(docs/architecture.md, "Routing"), as JSON lists of NetworkPolicyPeer objects. Call with
+(dict "context" $ "peers" "serving") or "monitoring".
+
+serving (ARC_OPERATOR_SERVING_PEERS), the API's clients: they reach port 8000 of the serving
+pods when the routing policy is none, of the router pods otherwise. The ingress controller,
+this release's load-test and helm-test pods (release namespace), then
+networkPolicy.extraServingFrom.
+
+monitoring (ARC_OPERATOR_MONITORING_PEERS), the metrics scrapers: they reach the serving pods'
+port 8000 (vLLM's /metrics) whatever the routing, and the router pods' metrics port 29000.
+Prometheus and this release's operator (status scrapes, release namespace).
 */}}
-{{- define "arc-serving.servingPeers" -}}
-{{- $np := .Values.networkPolicy }}
+{{- define "arc-serving.operatorPeers" -}}
+{{- $np := .context.Values.networkPolicy }}
+{{- $components := ternary (list "loadtest-master" "loadtest-worker" "test") (list "operator") (eq .peers "serving") }}
 {{- $releasePods := dict
-  "namespaceSelector" (dict "matchLabels" (dict "kubernetes.io/metadata.name" .Release.Namespace))
+  "namespaceSelector" (dict "matchLabels" (dict "kubernetes.io/metadata.name" .context.Release.Namespace))
   "podSelector" (dict
-    "matchLabels" (include "arc-serving.selectorLabels" . | fromYaml)
+    "matchLabels" (include "arc-serving.selectorLabels" .context | fromYaml)
     "matchExpressions" (list (dict
       "key" "app.kubernetes.io/component"
       "operator" "In"
-      "values" (list "operator" "loadtest-master" "loadtest-worker" "test")))) }}
-{{- $peers := list
-  (dict "namespaceSelector" $np.ingressController.namespaceSelector "podSelector" $np.ingressController.podSelector)
-  (dict "namespaceSelector" $np.prometheus.namespaceSelector "podSelector" $np.prometheus.podSelector)
-  $releasePods }}
-{{- concat $peers ($np.extraServingFrom | default list) | toJson }}
+      "values" $components))) }}
+{{- if eq .peers "serving" }}
+{{- $ingress := dict "namespaceSelector" $np.ingressController.namespaceSelector "podSelector" $np.ingressController.podSelector }}
+{{- concat (list $ingress $releasePods) ($np.extraServingFrom | default list) | toJson }}
+{{- else }}
+{{- $prometheus := dict "namespaceSelector" $np.prometheus.namespaceSelector "podSelector" $np.prometheus.podSelector }}
+{{- list $prometheus $releasePods | toJson }}
+{{- end }}
 {{- end }}
 
 {{/*

@@ -1,13 +1,15 @@
 """The chart's Grafana dashboards as code, built with Grafana's Python SDK (grafana-foundation-sdk).
 
-``python -m arc_dev.dashboards charts/arc-serving/dashboards`` writes ``overview.json`` and
-``arc-internals.json`` there; the chart ships those files (templates/dashboards-configmap.yaml)
-and tests/chart/test_dashboards.py fails when they differ from what this module builds.
+``python -m arc_dev.dashboards charts/arc-serving/dashboards`` writes ``overview.json``,
+``arc-internals.json`` and ``routing.json`` there; the chart ships those files
+(templates/dashboards-configmap.yaml) and tests/chart/test_dashboards.py fails when they differ
+from what this module builds.
 
 Every query selects the engines by the dashboard variables ``$namespace``, ``$servingpolicy`` and
-``$pod`` and reads through the ``$datasource`` variable. The SDK's models lack a few fields
-Grafana reads (a variable's ``definition``, the built-in annotation's flag, the Prometheus
-annotation's step and title/text templates); ``_WithFields`` adds them to the JSON.
+``$pod`` (the routers by the first two) and reads through the ``$datasource`` variable. The
+SDK's models lack a few fields Grafana reads (a variable's ``definition``, the built-in
+annotation's flag, the Prometheus annotation's step and title/text templates); ``_WithFields``
+adds them to the JSON.
 """
 
 from __future__ import annotations
@@ -32,6 +34,9 @@ from grafana_foundation_sdk.models import prometheus as prometheus_models
 
 DATASOURCE = dashboard_models.DataSourceRef(type_val="prometheus", uid="${datasource}")
 ENGINES = 'namespace=~"$namespace", servingpolicy=~"$servingpolicy", pod=~"$pod"'
+# The routers of the selected ServingPolicies (their pods are not among the $pod options, which
+# list engines).
+ROUTERS = 'namespace=~"$namespace", servingpolicy=~"$servingpolicy"'
 # The policy each pod runs now: one series per (namespace, pod) with value 1.
 ACTIVE_POLICY = f"(max by (namespace, pod, policy) (arc_evictor_policy_info{{{ENGINES}}}) == 1)"
 T1_MATCHER = ', list="t1"'
@@ -62,6 +67,15 @@ def engines(metric: str, extra_matchers: str = "") -> str:
 
 def rate(metric: str) -> str:
     return f"rate({engines(metric)}[$__rate_interval])"
+
+
+def routers(metric: str) -> str:
+    """``metric`` restricted to the routers of the ServingPolicies the variables select."""
+    return f"{metric}{{{ROUTERS}}}"
+
+
+def router_rate(metric: str) -> str:
+    return f"rate({routers(metric)}[$__rate_interval])"
 
 
 def ratio_per_pod(hits: str, queries: str) -> str:
@@ -491,10 +505,132 @@ def arc_internals() -> dashboard_builders.Dashboard:
     )
 
 
+def routing() -> dashboard_builders.Dashboard:
+    """The router in front of the replicas (vllm-router's metrics, docs/chart.md, "Routing")
+    and how evenly load and cache hits spread over the replicas."""
+    hits, queries = "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"
+    per_servingpolicy = (
+        f"sum by (namespace, servingpolicy) ({rate(hits)})\n/\n"
+        f"sum by (namespace, servingpolicy) ({rate(queries)})"
+    )
+    latency = "vllm_router_generate_duration_seconds_bucket"
+    return (
+        skeleton(
+            "arc-serving-routing",
+            "arc-serving / Routing",
+            "The vLLM router in front of each ServingPolicy's replicas: requests and prefix-cache "
+            "hit rate per replica, routing decisions by outcome, KV placement lookups, router "
+            "latency and the workers' health as the router sees it.",
+        )
+        .with_row(dashboard_builders.Row("Replicas").id(1))
+        .with_panel(
+            graph(
+                "Requests per replica",
+                "Requests each serving pod finished per second (vllm:request_success_total): how "
+                "evenly the router spreads the load.",
+                "reqps",
+                [
+                    query(
+                        "A",
+                        f"sum by (namespace, pod) ({rate('vllm:request_success_total')})",
+                        "{{namespace}}/{{pod}}",
+                    )
+                ],
+            ).id(2)
+        )
+        .with_panel(
+            graph(
+                "Prefix-cache hit rate per replica",
+                "Cached / queried prompt tokens per pod, and over all pods of each ServingPolicy. "
+                "A replica under half of its ServingPolicy's rate for 15 minutes raises "
+                "ArcServingReplicaHitRateLow.",
+                "percentunit",
+                [
+                    query("A", ratio_per_pod(hits, queries), "{{namespace}}/{{pod}}"),
+                    query("B", per_servingpolicy, "{{namespace}}/{{servingpolicy}} (all replicas)"),
+                ],
+                fraction=True,
+            ).id(3)
+        )
+        .with_row(dashboard_builders.Row("Router").id(4))
+        .with_panel(
+            graph(
+                "Routing decisions by outcome",
+                "The router's prefix routing decisions per second "
+                "(vllm_router_prefix_routing_decisions_total): kv_aware's prefix_cost (cheapest "
+                "cached prefix and load) and cache_aware's prefix_hit and prefix_miss use the "
+                "prompt's prefix; load_imbalance and missing_tokens pick a worker by load alone "
+                "(ArcServingRoutingFallback).",
+                "ops",
+                [
+                    query(
+                        "A",
+                        "sum by (namespace, servingpolicy, policy, outcome) "
+                        f"({router_rate('vllm_router_prefix_routing_decisions_total')})",
+                        "{{servingpolicy}} {{policy}}: {{outcome}}",
+                    )
+                ],
+                stacked=True,
+            ).id(5)
+        )
+        .with_panel(
+            graph(
+                "KV placement lookups",
+                "kv_aware's lookups of the prompt's blocks in the index built from the replicas' "
+                "KV events (vllm_router_kv_placement_lookups_total): hit (a replica holds a "
+                "prefix), miss, missing_tokens (no tokens to look up).",
+                "ops",
+                [
+                    query(
+                        "A",
+                        "sum by (namespace, servingpolicy, result) "
+                        f"({router_rate('vllm_router_kv_placement_lookups_total')})",
+                        "{{servingpolicy}}: {{result}}",
+                    )
+                ],
+                stacked=True,
+            ).id(6)
+        )
+        .with_panel(
+            graph(
+                "Router latency",
+                "p50, p90 and p99 of the time the router takes for a generate request, its "
+                "worker's answer included (vllm_router_generate_duration_seconds).",
+                "s",
+                [
+                    query(
+                        ref,
+                        f"histogram_quantile({q}, sum by (le) ({router_rate(latency)}))",
+                        f"p{label}",
+                    )
+                    for ref, q, label in (("A", "0.5", 50), ("B", "0.9", 90), ("C", "0.99", 99))
+                ],
+            ).id(7)
+        )
+        .with_panel(
+            graph(
+                "Worker health per router",
+                "1 while the router's health checks of a replica pass, 0 when it sends it nothing "
+                "(vllm_router_worker_health; ArcServingRouterWorkerUnhealthy).",
+                "short",
+                [
+                    query(
+                        "A",
+                        "min by (namespace, servingpolicy, worker) "
+                        f"({routers('vllm_router_worker_health')})",
+                        "{{servingpolicy}} {{worker}}",
+                    )
+                ],
+            ).id(8)
+        )
+    )
+
+
 # File name under charts/arc-serving/dashboards/ -> the dashboard's builder.
 DASHBOARDS: dict[str, Callable[[], dashboard_builders.Dashboard]] = {
     "overview.json": overview,
     "arc-internals.json": arc_internals,
+    "routing.json": routing,
 }
 
 
