@@ -6,7 +6,13 @@ import json
 
 import pytest
 
-from arc_loadtest.report import CacheCounters, parse_counters, summarize
+from arc_loadtest.report import (
+    FAILURE_KINDS,
+    CacheCounters,
+    format_summary,
+    parse_counters,
+    summarize,
+)
 from arc_loadtest.stream import StreamError, StreamStats
 
 
@@ -29,6 +35,16 @@ def test_usage_count_wins_over_counted_chunks() -> None:
     stats.feed_line(sse({"choices": [{"text": "x"}]}), 1.0)
     stats.feed_line(sse({"choices": [], "usage": {"completion_tokens": 4}}), 1.1)
     assert (stats.tokens, stats.output_tokens) == (1, 4)
+
+
+def test_running_usage_counts_tokens_that_decode_to_no_text() -> None:
+    # vLLM's continuous_usage_stats: every chunk carries the completion tokens so far.
+    stats = StreamStats(sent=0.0)
+    stats.feed_line(sse({"choices": [{"text": ""}], "usage": {"completion_tokens": 0}}), 0.5)
+    stats.feed_line(sse({"choices": [{"text": ""}], "usage": {"completion_tokens": 1}}), 1.0)
+    stats.feed_line(sse({"choices": [{"text": "ab"}], "usage": {"completion_tokens": 3}}), 1.4)
+    assert stats.ttft == pytest.approx(1.0)
+    assert stats.tokens == 3 and stats.itl == pytest.approx([0.2, 0.2])
 
 
 def test_error_chunk_fails_the_stream() -> None:
@@ -75,6 +91,23 @@ def test_failed_requests_count_but_do_not_enter_latencies() -> None:
                         duration_s=1.0)  # fmt: skip
     assert (summary["requests_failed"], summary["requests_unsent"]) == (1, 1)
     assert summary["ttft_s"]["count"] == 1 and summary["dispatch_lag_s"]["count"] == 2
+
+
+def test_failed_requests_are_counted_by_kind_and_in_flight_ones_named() -> None:
+    kinds = ["in_flight", "in_flight", "refused"]
+    failed = [row(n + 1, ok=False) | {"failure": kind} for n, kind in enumerate(kinds)]
+    summary = summarize([row(0), *failed], planned=5, start=None, end=None, duration_s=1.0)
+    assert summary["requests_failed"] == 3 and summary["requests_failed_in_flight"] == 2
+    expected = dict.fromkeys(FAILURE_KINDS, 0) | {"in_flight": 2, "refused": 1}
+    assert summary["failures"] == expected
+    assert "failed requests: 2 in flight, 1 refused" in format_summary(summary)
+
+
+def test_a_run_without_failures_names_no_failure_kind() -> None:
+    summary = summarize([row(0)], planned=1, start=None, end=None, duration_s=1.0)
+    assert summary["requests_failed_in_flight"] == 0
+    assert set(summary["failures"].values()) == {0}
+    assert "failed requests" not in format_summary(summary)
 
 
 def test_zero_request_summary_has_no_rates() -> None:

@@ -38,6 +38,28 @@ def test_parent_outside_the_trace_gates_nothing() -> None:
     assert plan[0].parent is None
 
 
+def test_session_id_is_the_conversations_root_chat_id() -> None:
+    requests = [make_request(0, 0, 7), make_request(1, 1, 8), make_request(2, 2, 9, parent_id=7),
+                make_request(3, 3, 10, parent_id=9)]  # fmt: skip
+    assert [p.session_id for p in plan_replay(requests, 1.0)] == ["7", "8", "7", "7"]
+
+
+def test_session_id_follows_a_parent_outside_the_trace() -> None:
+    # A cut sample: chat 5's parent 99 is missing, yet 5 and its reply 6 stay one session.
+    requests = [make_request(0, 0, 5, parent_id=99), make_request(1, 1, 6, parent_id=5)]
+    assert [p.session_id for p in plan_replay(requests, 1.0)] == ["99", "99"]
+
+
+def test_mooncake_session_id_is_the_first_hash_id(tmp_path: Path) -> None:
+    records = [
+        {"timestamp": 0, "input_length": 40, "output_length": 1, "hash_ids": [3, 4]},
+        {"timestamp": 5, "input_length": 20, "output_length": 1, "hash_ids": [3]},
+        {"timestamp": 9, "input_length": 20, "output_length": 1, "hash_ids": [8]},
+    ]
+    trace = load_trace(write_lines(tmp_path / "m.jsonl", records), block_tokens=32)
+    assert [p.session_id for p in plan_replay(trace, 1.0)] == ["3", "3", "8"]
+
+
 def test_duplicate_chat_id_names_the_line() -> None:
     with pytest.raises(TraceError, match=r"t\.jsonl:2: chat_id 1 already used on line 1"):
         plan_replay([make_request(0, 0, 1), make_request(1, 1, 1)], 1.0, path="t.jsonl")

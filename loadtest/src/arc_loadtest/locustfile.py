@@ -74,6 +74,9 @@ from arc_serving_common.traces import FORMATS, TraceError
 log = logging.getLogger("loadtest")
 
 COMPLETIONS = "/v1/completions"
+# The session id every request carries (schedule.PlannedRequest.session_id), the header the
+# vLLM router's consistent_hash policy keys on.
+SESSION_HEADER = "X-Session-ID"
 START_DELAY_S = 2.0  # workers set up (trace, vocabulary) before the common start
 MAX_CONNECTIONS = 512  # open loop: every request in flight holds a connection
 # Failures that mean no HTTP answer came (the server is gone), as opposed to a bad answer.
@@ -153,6 +156,26 @@ def _add_options(parser: Any) -> None:
     # argument group's options stay out of it already (Locust 2.47 lists only actions carrying
     # this flag set true); the flag keeps the key out if the option ever moves to the parser.
     api_key.include_in_web_ui = False
+
+
+def failure_kind(status: int | None, problem: BaseException | str) -> str:
+    """How a failed request failed (one of report.FAILURE_KINDS).
+
+    ``in_flight``: the request was sent and accepted (HTTP 200) or its connection broke
+    (reset, timed out) before the whole answer came; ``refused``: no connection was made, the
+    server never saw it; ``gateway``: a proxy's 502/503/504 (its backend failed; whether the
+    backend had started the request is unknown); ``error``: any other HTTP error status.
+    """
+    if status == 200:
+        return "in_flight"
+    if status in GATEWAY_ERRORS:
+        return "gateway"
+    if status:
+        return "error"
+    # No response at all: refused before sending (urllib3's NewConnectionError), or lost.
+    text = repr(problem)
+    refused = "NewConnectionError" in text or "Connection refused" in text
+    return "refused" if refused else "in_flight"
 
 
 class ReplayUser(User):
@@ -308,6 +331,7 @@ class Replay:
         status: int | None = None
         received = 0
         answered = True
+        failure: str | None = None
         with (
             token_timing(self.environment.events.request, COMPLETIONS, sent) as stats,
             session.post(
@@ -317,6 +341,7 @@ class Replay:
                 catch_response=True,
                 name=COMPLETIONS,
                 timeout=self.settings.request_timeout_s,
+                headers={SESSION_HEADER: planned.session_id},
             ) as response,
         ):
             try:
@@ -343,6 +368,7 @@ class Replay:
                     and status not in GATEWAY_ERRORS
                     and not isinstance(problem, CONNECTION_LOST)
                 )
+                failure = failure_kind(status, getattr(response, "error", None) or problem)
             else:
                 response.success()
             finally:
@@ -354,7 +380,9 @@ class Replay:
             "index": request.index,
             "line": request.line,
             "session": planned.session,
+            "session_id": planned.session_id,
             "ok": error is None,
+            "failure": failure,
             "status": status,
             "error": error,
             "due_s": timing.due_s,

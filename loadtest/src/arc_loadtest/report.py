@@ -21,6 +21,10 @@ import numpy as np
 HITS = "vllm:prefix_cache_hits_total"
 QUERIES = "vllm:prefix_cache_queries_total"
 PERCENTILES = (50, 90, 99)
+# How a failed request failed (the locustfile's failure_kind): in flight (sent, then the
+# connection broke or the stream was cut), refused (never reached the server), a proxy's
+# gateway error, or another HTTP error answer.
+FAILURE_KINDS = ("in_flight", "refused", "gateway", "error")
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,7 +82,9 @@ def summarize(
     ``requests_unauthorized`` counts the HTTP 401 answers (no API key or a wrong one);
     ``setup_error`` is why the replay could not start (None when it started);
     ``stopped_early`` is why it stopped before the end of the trace (the server became
-    unreachable), None when it did not.
+    unreachable), None when it did not. ``failures`` counts the failed requests by kind
+    (``FAILURE_KINDS``); ``requests_failed_in_flight`` is its ``in_flight`` count: requests
+    the server had accepted (or whose connection broke after sending) when they failed.
     """
     rows = list(rows)
     ok = [r for r in rows if r["ok"]]
@@ -89,6 +95,11 @@ def summarize(
         "requests_ok": len(ok),
         "requests_failed": len(rows) - len(ok),
         "requests_unsent": planned - len(rows),
+        "requests_failed_in_flight": sum(1 for r in rows if r.get("failure") == "in_flight"),
+        "failures": {
+            kind: sum(1 for r in rows if not r["ok"] and r.get("failure") == kind)
+            for kind in FAILURE_KINDS
+        },
         "requests_unauthorized": sum(1 for r in rows if r.get("status") == 401),
         "setup_error": setup_error,
         "stopped_early": stop_reason,
@@ -143,6 +154,10 @@ def format_summary(summary: dict[str, Any]) -> str:
         + f" of {summary['requests_planned']} "
         f"in {summary['duration_s']:.1f} s",
     ]
+    if summary["requests_failed"]:
+        counts = summary["failures"].items()
+        kinds = ", ".join(f"{count} {kind.replace('_', ' ')}" for kind, count in counts if count)
+        lines.append(f"failed requests: {kinds or 'kind not recorded'}")
     if summary["throughput_rps"] is not None:
         lines.append(
             f"throughput: {summary['throughput_rps']:.2f} req/s, "

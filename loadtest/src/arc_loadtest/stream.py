@@ -1,10 +1,16 @@
 """One streamed ``/v1/completions`` request: its body and the timing of its tokens.
 
 Time to first token (TTFT) runs from the send to the first streamed chunk that carries a
-token (token ids, or text when the server does not return ids), not to the response
-headers, which a server may send before it has computed anything. Inter-token latency (ITL)
-is the gap between chunks that carry tokens, spread evenly over the chunk's tokens; tokens
-that arrive in the same chunk as the first token have no gap to measure and add no ITL sample.
+token, not to the response headers, which a server may send before it has computed anything.
+A chunk's tokens are counted exactly from vLLM's running usage (``continuous_usage_stats``:
+every chunk carries the completion tokens so far), else from its ``token_ids``, else as one
+token when it has text. The body does not ask for ``return_token_ids``: the vLLM router's
+kv_aware policy (vllm-router 0.1.17) credits no cached prefix to a request that carries it,
+so every such request is routed as if nothing were cached (docs/routing.md).
+
+Inter-token latency (ITL) is the gap between chunks that carry tokens, spread evenly over the
+chunk's tokens; tokens that arrive in the same chunk as the first token have no gap to measure
+and add no ITL sample.
 """
 
 from __future__ import annotations
@@ -26,8 +32,8 @@ def completion_body(model: str, prompt: list[int], output_length: int) -> dict[s
         "ignore_eos": True,
         "temperature": 0.0,
         "stream": True,
-        "stream_options": {"include_usage": True},
-        "return_token_ids": True,  # vLLM: count tokens exactly, whatever they decode to
+        # vLLM: usage on every chunk counts tokens exactly, whatever they decode to.
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
     }
 
 
@@ -68,11 +74,18 @@ class StreamStats:
         return True
 
     def feed_chunk(self, chunk: dict[str, Any], now: float) -> None:
-        if chunk.get("usage"):
-            self.usage = chunk["usage"]
+        usage = chunk.get("usage")
+        if usage:
+            self.usage = usage
+        so_far = (usage or {}).get("completion_tokens")
         for choice in chunk.get("choices") or []:
             ids = choice.get("token_ids")
-            count = len(ids) if ids is not None else int(bool(choice.get("text")))
+            if ids is not None:
+                count = len(ids)
+            elif isinstance(so_far, int):
+                count = so_far - self.tokens  # running usage: one choice per request
+            else:
+                count = int(bool(choice.get("text")))
             if count:
                 if self.last_token is not None:
                     self.itl.extend([(now - self.last_token) / count] * count)

@@ -1,0 +1,567 @@
+"""``make demo-fleet``: two vLLM replicas behind the real vLLM router, per routing policy.
+
+Steps (each printed with its wall time):
+
+1. Generate a mixed trace (Qwen-Bailian form, 32-token blocks = the servers' block size, fixed
+   seeds): multi-turn conversations sharing a few system prompts, interleaved with document
+   QA (Zipf over documents), both from ``arc_simulator.generate``. Predict every routing x
+   eviction pair with the simulator's fleet model (``arc_simulator.fleet``, overlapping mode,
+   2 replicas of the same per-replica capacity), as ``arc-evictor simulate TRACE --replicas 2
+   --router R --policy P --capacity C`` would.
+2. Build the small local Llama of ``make demo`` (nothing is downloaded) and start the fleet
+   (``arc_dev.fleet``): two servers with the arc_evictor plugin and KV events, each with a
+   cache small enough that where a request lands decides whether its prefix is cached, and
+   the router.
+3. For each routing policy the router is restarted with it; for each eviction policy the
+   plugin switches live, every prefix cache is emptied, and the real Locust replays the
+   whole trace through the router (``X-Session-ID`` on every request).
+4. Print one table (measured next to predicted) and write it as ``fleet.md`` and
+   ``fleet.json`` under ``--out``: the summed block hit rate (the plugin's block counters over
+   both replicas), TTFT p50/p90 (Locust), each replica's share of requests (vLLM's request
+   counter) and the simulator's figures.
+
+Invariant: a run is only reported when every request of the trace was answered; otherwise
+the demo stops with exit status 1 naming the run and why. Bad arguments exit with status 2
+before anything is started.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from arc_dev.fleet import (
+    BLOCK_TOKENS,
+    ROUTER_POLICIES,
+    SERVED_MODEL,
+    Fleet,
+    FleetError,
+    ReplicaStats,
+)
+from arc_evictor.policies import policy_names
+from arc_serving_common.traces import TraceRequest, load_trace
+from arc_simulator.fleet import simulate_fleet
+from arc_simulator.generate import (
+    ConversationParams,
+    DocQAParams,
+    GeneratedRequest,
+    conversation,
+    docqa,
+    write_generated,
+)
+from arc_simulator.simulate import CostModel
+
+REPLICAS = 2
+DEFAULT_ROUTING = ("round_robin", "consistent_hash", "cache_aware", "kv_aware")
+# LRU is the baseline; TRIO is the policy docs/evaluation.md recommends (the chart's default).
+DEFAULT_EVICTION = ("lru", "trio")
+DOCQA = DocQAParams(
+    documents=20,
+    document_tokens=700,
+    questions_per_document=3.0,
+    zipf_exponent=1.1,
+    question_tokens=32,
+    output_tokens=8,
+    requests_per_second=3.0,
+    seed=0,
+)
+CONVERSATION = ConversationParams(
+    sessions=20,
+    system_prompts=4,
+    system_tokens=480,
+    mean_turns=3.0,
+    max_turns=5,
+    user_tokens=64,
+    output_tokens=8,
+    think_time_s=1.5,
+    sessions_per_second=1.2,
+    seed=0,
+)
+CAPACITY_BLOCKS = 80  # per replica: about three documents, or two conversations and prompts
+# Hidden 512, 4 layers, 8 heads: the model of ``make demo``, whose cached prefills are
+# visibly faster than uncached ones on CPU.
+MODEL = {"hidden_size": 512, "num_layers": 4, "num_heads": 8}
+COST = CostModel(
+    prefill_seconds_per_token=0.22e-3, decode_seconds_per_token=0.008, step_seconds=0.02
+)
+REPLAY_MARGIN_S = 60  # Locust's --run-time beyond the trace's own duration
+PORT_BASE = 47400
+
+
+class FleetDemoError(RuntimeError):
+    """A step of the fleet demo failed; the message says which and why."""
+
+
+@dataclass(frozen=True, slots=True)
+class FleetDemoSettings:
+    """What one run does; ``parse_args`` builds it and checks every field."""
+
+    out: Path
+    routing: tuple[str, ...] = DEFAULT_ROUTING
+    eviction: tuple[str, ...] = DEFAULT_EVICTION
+    capacity_blocks: int = CAPACITY_BLOCKS
+    docqa: DocQAParams = DOCQA
+    conversation: ConversationParams = CONVERSATION
+    time_scale: float = 1.0
+    port_base: int = PORT_BASE
+    simulate_only: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Figures:
+    """One routing x eviction pair's figures, measured or predicted.
+
+    ``shares``: each replica's share of the requests, in replica order (sums to 1).
+    """
+
+    routing: str
+    eviction: str
+    requests: int
+    block_queries: float
+    block_hits: float
+    ttft_p50_s: float | None
+    ttft_p90_s: float | None
+    shares: tuple[float, ...]
+    seconds: float = 0.0
+
+    @property
+    def block_hit_rate(self) -> float | None:
+        return self.block_hits / self.block_queries if self.block_queries else None
+
+
+# ------------------------------------------------------------------------- arguments
+def _names(
+    text: str, valid: Sequence[str], option: str, parser: argparse.ArgumentParser
+) -> tuple[str, ...]:
+    names = tuple(name.strip().lower() for name in text.split(",") if name.strip())
+    unknown = [name for name in names if name not in valid]
+    if unknown:
+        parser.error(f"{option}: unknown policy {unknown[0]!r}; valid: {', '.join(valid)}")
+    if not names or len(set(names)) != len(names):
+        parser.error(f"{option} needs distinct comma-separated policies, got {text!r}")
+    return names
+
+
+def parse_args(argv: Sequence[str] | None = None) -> FleetDemoSettings:
+    """Parse and check the command line; exits with status 2 and a message on bad input."""
+    parser = argparse.ArgumentParser(
+        prog="python -m arc_dev.fleet_demo", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument("--out", type=Path, default=Path("out/demo-fleet"), help="output folder")
+    parser.add_argument(
+        "--routing",
+        default=",".join(DEFAULT_ROUTING),
+        help=f"routing policies (default {','.join(DEFAULT_ROUTING)})",
+    )
+    parser.add_argument(
+        "--eviction",
+        default=",".join(DEFAULT_EVICTION),
+        help=f"eviction policies (default {','.join(DEFAULT_EVICTION)})",
+    )
+    parser.add_argument(
+        "--capacity",
+        type=int,
+        default=CAPACITY_BLOCKS,
+        help=f"cacheable blocks per replica (default {CAPACITY_BLOCKS})",
+    )
+    parser.add_argument(
+        "--sessions", type=int, default=CONVERSATION.sessions, help="conversations in the trace"
+    )
+    parser.add_argument(
+        "--documents", type=int, default=DOCQA.documents, help="documents of the document-QA part"
+    )
+    parser.add_argument(
+        "--time-scale", type=float, default=1.0, help="multiply the trace's timestamps (default 1)"
+    )
+    parser.add_argument(
+        "--port-base",
+        type=int,
+        default=PORT_BASE,
+        help=f"first of the 100 local ports the fleet uses (default {PORT_BASE})",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of both generators")
+    parser.add_argument(
+        "--simulate-only",
+        action="store_true",
+        help="print the simulator's prediction only, start nothing",
+    )
+    args = parser.parse_args(argv)
+    routing = _names(args.routing, ROUTER_POLICIES, "--routing", parser)
+    eviction = _names(
+        args.eviction, [n for n in policy_names() if n != "belady"], "--eviction", parser
+    )
+    max_model_len = 2048
+    if args.capacity * BLOCK_TOKENS < max_model_len:
+        parser.error(
+            f"--capacity must be at least {max_model_len // BLOCK_TOKENS} blocks (one "
+            f"{max_model_len}-token request must fit), got {args.capacity}"
+        )
+    for option, value in (("--sessions", args.sessions), ("--documents", args.documents)):
+        if value < 1:
+            parser.error(f"{option} must be at least 1, got {value}")
+    if not 0 < args.time_scale <= 100:
+        parser.error(f"--time-scale must be in (0, 100], got {args.time_scale}")
+    if not 1024 <= args.port_base <= 65435:
+        parser.error(f"--port-base must be between 1024 and 65435, got {args.port_base}")
+    if args.seed < 0:
+        parser.error(f"--seed must be >= 0, got {args.seed}")
+    if args.out.exists() and not args.out.is_dir():
+        parser.error(f"--out {args.out} exists and is not a folder")
+    return FleetDemoSettings(
+        out=args.out,
+        routing=routing,
+        eviction=eviction,
+        capacity_blocks=args.capacity,
+        docqa=replace(DOCQA, documents=args.documents, seed=args.seed),
+        conversation=replace(CONVERSATION, sessions=args.sessions, seed=args.seed),
+        time_scale=args.time_scale,
+        port_base=args.port_base,
+        simulate_only=args.simulate_only,
+    )
+
+
+# --------------------------------------------------------------------------- trace
+def mixed_requests(
+    docqa_params: DocQAParams, conversation_params: ConversationParams
+) -> list[GeneratedRequest]:
+    """Conversations and document QA interleaved by arrival time.
+
+    Document-QA chat ids follow the conversations' (each question is its own root), so every
+    chat id is unique and every conversation keeps its ``parent_chat_id`` links.
+    """
+    chats = conversation(conversation_params)
+    offset = max(request.chat_id for request in chats) + 1
+    questions = [
+        replace(request, chat_id=offset + request.chat_id) for request in docqa(docqa_params)
+    ]
+    return sorted(chats + questions, key=lambda request: (request.timestamp_s, request.chat_id))
+
+
+# --------------------------------------------------------------------- simulation
+def predict(
+    requests: Sequence[TraceRequest],
+    routing: Sequence[str],
+    eviction: Sequence[str],
+    capacity: int,
+) -> list[Figures]:
+    """The simulator's fleet of ``REPLICAS`` replicas, overlapping mode, per pair."""
+    predictions = []
+    for router in routing:
+        for policy in eviction:
+            result, _ = simulate_fleet(
+                requests, policy, capacity, REPLICAS, router, sequential=False, cost=COST
+            )
+            predictions.append(
+                Figures(
+                    router,
+                    policy,
+                    result.requests,
+                    result.block_queries,
+                    result.block_hits,
+                    result.ttft_p50_s,
+                    result.ttft_p90_s,
+                    tuple(result.request_shares),
+                )
+            )
+    return predictions
+
+
+# ------------------------------------------------------------------------ reports
+def _rate(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1000:.0f}"
+
+
+def _shares(shares: Sequence[float]) -> str:
+    return "/".join(f"{share:.2f}" for share in shares)
+
+
+HEADER = [
+    "routing",
+    "eviction",
+    "requests",
+    "block hit",
+    "sim hit",
+    "TTFT p50 ms",
+    "TTFT p90 ms",
+    "sim TTFT p50 ms",
+    "shares",
+    "sim shares",
+]
+
+
+def table_rows(runs: Sequence[Figures], predictions: Sequence[Figures]) -> list[list[str]]:
+    """One row per measured pair, the simulator's figures for the same pair beside it."""
+    predicted = {(p.routing, p.eviction): p for p in predictions}
+    rows = []
+    for run in runs:
+        sim = predicted.get((run.routing, run.eviction))
+        rows.append(
+            [
+                run.routing,
+                run.eviction,
+                f"{run.requests}",
+                _rate(run.block_hit_rate),
+                _rate(sim.block_hit_rate if sim else None),
+                _ms(run.ttft_p50_s),
+                _ms(run.ttft_p90_s),
+                _ms(sim.ttft_p50_s if sim else None),
+                _shares(run.shares),
+                _shares(sim.shares) if sim else "-",
+            ]
+        )
+    return rows
+
+
+def text_table(header: list[str], rows: list[list[str]]) -> str:
+    """Aligned plain text: first column left, the rest right."""
+    table = [header, *rows]
+    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+    lines = []
+    for number, row in enumerate(table):
+        cells = [c.ljust(widths[i]) if i < 2 else c.rjust(widths[i]) for i, c in enumerate(row)]
+        lines.append("  ".join(cells).rstrip())
+        if number == 0:
+            lines.append("  ".join("-" * width for width in widths))
+    return "\n".join(lines)
+
+
+def markdown_table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- runs
+def _delta(
+    before: Sequence[ReplicaStats], after: Sequence[ReplicaStats], field: str
+) -> list[float]:
+    values = []
+    for first, last in zip(before, after, strict=True):
+        start, end = getattr(first, field), getattr(last, field)
+        if start is None or end is None:
+            raise FleetDemoError(f"replica {first.index} ({first.url}) did not answer /metrics")
+        values.append(end - start)
+    return values
+
+
+def replay_pair(
+    fleet: Fleet,
+    routing: str,
+    eviction: str,
+    trace: Path,
+    out: Path,
+    *,
+    tokenizer: Path,
+    time_scale: float,
+    run_time_s: int,
+) -> Figures:
+    """Switch eviction live, empty the caches, replay ``trace`` through the router."""
+    from arc_loadtest.run import run_replay
+
+    fleet.switch_policy(eviction)
+    fleet.reset_caches()
+    run_dir = out / f"{routing}-{eviction}"
+    before = fleet.per_replica_stats()
+    started = time.monotonic()
+    try:
+        replay = run_replay(
+            fleet.router.url,
+            trace,
+            out_dir=run_dir,
+            run_time_s=run_time_s,
+            block_tokens=BLOCK_TOKENS,
+            time_scale=time_scale,
+            model=SERVED_MODEL,
+            tokenizer=tokenizer,
+            api_key=fleet.api_key,
+        )
+    except subprocess.TimeoutExpired as exc:
+        raise FleetDemoError(
+            f"the {routing}/{eviction} replay did not finish within {exc.timeout:.0f}s"
+        ) from exc
+    seconds = time.monotonic() - started
+    (run_dir / "locust.log").write_text(replay.log)
+    summary = replay.summary
+    if replay.exit_code != 0 or summary is None:
+        raise FleetDemoError(
+            f"the {routing}/{eviction} replay failed (Locust exit status "
+            f"{replay.exit_code}); log {run_dir / 'locust.log'}, last lines:\n"
+            f"{replay.log[-2000:]}"
+        )
+    if summary["requests_unsent"] or summary["requests_failed"]:
+        raise FleetDemoError(
+            f"the {routing}/{eviction} replay did not answer the whole trace: "
+            f"{summary['requests_ok']} ok, {summary['requests_failed']} failed "
+            f"({summary['requests_failed_in_flight']} in flight), "
+            f"{summary['requests_unsent']} unsent; log {run_dir / 'locust.log'}"
+        )
+    after = fleet.per_replica_stats()
+    if any(stats.policy != eviction for stats in after):
+        raise FleetDemoError(
+            f"a replica left {eviction!r} during the {routing} run: "
+            f"{[stats.policy for stats in after]}"
+        )
+    served = _delta(before, after, "requests")
+    total = sum(served)
+    if total != summary["requests_ok"]:
+        raise FleetDemoError(
+            f"the replicas served {total:.0f} requests, Locust counted "
+            f"{summary['requests_ok']} ({routing}/{eviction})"
+        )
+    return Figures(
+        routing,
+        eviction,
+        int(total),
+        block_queries=sum(_delta(before, after, "block_queries")),
+        block_hits=sum(_delta(before, after, "block_hits")),
+        ttft_p50_s=summary["ttft_s"]["p50"],
+        ttft_p90_s=summary["ttft_s"]["p90"],
+        shares=tuple(count / total for count in served),
+        seconds=seconds,
+    )
+
+
+class _Clock:
+    """Prints each step with the wall time since the demo started."""
+
+    def __init__(self) -> None:
+        self.started = time.monotonic()
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.started
+
+    def step(self, text: str) -> None:
+        print(f"[{self.elapsed():6.1f}s] {text}", flush=True)
+
+
+def write_reports(
+    out: Path,
+    settings: FleetDemoSettings,
+    runs: Sequence[Figures],
+    predictions: Sequence[Figures],
+    seconds: float,
+) -> str:
+    """Write ``fleet.md`` and ``fleet.json``; return the text table."""
+    rows = table_rows(runs, predictions)
+    (out / "fleet.md").write_text(markdown_table(HEADER, rows) + "\n")
+    report: dict[str, Any] = {
+        "settings": {
+            "routing": list(settings.routing),
+            "eviction": list(settings.eviction),
+            "replicas": REPLICAS,
+            "capacity_blocks_per_replica": settings.capacity_blocks,
+            "docqa": asdict(settings.docqa),
+            "conversation": asdict(settings.conversation),
+            "time_scale": settings.time_scale,
+            "model": MODEL,
+        },
+        "runs": [asdict(run) | {"block_hit_rate": run.block_hit_rate} for run in runs],
+        "predictions": [asdict(p) | {"block_hit_rate": p.block_hit_rate} for p in predictions],
+        "seconds": seconds,
+    }
+    (out / "fleet.json").write_text(json.dumps(report, indent=2) + "\n")
+    return text_table(HEADER, rows)
+
+
+def run_demo(settings: FleetDemoSettings) -> int:
+    """The whole demo (see the module docstring); returns the exit status."""
+    from arc_dev.tinymodel import build_tiny_llama
+    from arc_dev.vllm_server import VllmServerError
+
+    clock = _Clock()
+    out = settings.out
+    out.mkdir(parents=True, exist_ok=True)
+    trace_path = out / "mixed.jsonl"
+    write_generated(
+        trace_path, mixed_requests(settings.docqa, settings.conversation), "bailian", BLOCK_TOKENS
+    )
+    requests = load_trace(trace_path, block_tokens=BLOCK_TOKENS)
+    duration = requests[-1].timestamp_s - requests[0].timestamp_s
+    distinct = len({key for request in requests for key in request.keys})
+    clock.step(
+        f"trace {trace_path}: {len(requests)} requests over {duration:.0f} s "
+        f"({settings.conversation.sessions} conversations, {settings.docqa.documents} "
+        f"documents), {distinct} distinct blocks; {REPLICAS} replicas of "
+        f"{settings.capacity_blocks} blocks"
+    )
+    # The simulator sees the arrival times Locust will send at.
+    scaled = [replace(r, timestamp_s=r.timestamp_s * settings.time_scale) for r in requests]
+    predictions = predict(scaled, settings.routing, settings.eviction, settings.capacity_blocks)
+    if settings.simulate_only:
+        header = ["routing", "eviction", "sim hit", "sim TTFT p50 ms", "sim TTFT p90 ms",
+                  "sim shares"]  # fmt: skip
+        rows = [[p.routing, p.eviction, _rate(p.block_hit_rate), _ms(p.ttft_p50_s),
+                 _ms(p.ttft_p90_s), _shares(p.shares)] for p in predictions]  # fmt: skip
+        print(text_table(header, rows))
+        return 0
+    clock.step("simulator predictions done")
+    model_dir = build_tiny_llama(out / "model", **MODEL)
+    fleet = Fleet(
+        model_dir,
+        work_dir=out / "fleet",
+        replicas=REPLICAS,
+        policy=settings.routing[0],
+        eviction=settings.eviction[0],
+        capacity_blocks=settings.capacity_blocks,
+        port_base=settings.port_base,
+    )
+    run_time_s = int(duration * settings.time_scale) + REPLAY_MARGIN_S
+    runs: list[Figures] = []
+    try:
+        with fleet:
+            clock.step(
+                f"fleet up: servers {[s.url for s in fleet.servers]}, router "
+                f"{fleet.router.url} (logs {fleet.work_dir})"
+            )
+            for server in fleet.servers:  # the first long prompts of a process are slower
+                for length in (1_500, 500):
+                    fleet.complete([4 + i % 1000 for i in range(length)], 4, url=server.url)
+            for routing in settings.routing:
+                if fleet.router.policy != routing:
+                    fleet.router.restart(routing)
+                for eviction in settings.eviction:
+                    run = replay_pair(
+                        fleet,
+                        routing,
+                        eviction,
+                        trace_path,
+                        out,
+                        tokenizer=model_dir,
+                        time_scale=settings.time_scale,
+                        run_time_s=run_time_s,
+                    )
+                    runs.append(run)
+                    clock.step(
+                        f"{routing}/{eviction}: block hit {_rate(run.block_hit_rate)}, "
+                        f"TTFT p50 {_ms(run.ttft_p50_s)} ms, shares "
+                        f"{_shares(run.shares)} ({run.seconds:.0f} s)"
+                    )
+    except (VllmServerError, FleetError, FleetDemoError) as exc:
+        print(f"error: {exc}\nlogs: {fleet.work_dir}", file=sys.stderr)
+        return 1
+    table = write_reports(out, settings, runs, predictions, clock.elapsed())
+    clock.step(f"done; {out / 'fleet.md'}, {out / 'fleet.json'}")
+    print()
+    print(table)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_demo(parse_args(argv))
+
+
+__all__ = ["Figures", "FleetDemoSettings", "main", "mixed_requests", "predict"]
+
+if __name__ == "__main__":
+    sys.exit(main())

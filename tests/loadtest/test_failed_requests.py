@@ -1,0 +1,91 @@
+"""How the real Locust replay reports failed requests: refused (nothing listens) or in flight
+(the real vLLM server is killed while it streams the answers)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from conftest import write_lines
+
+from arc_dev.fleet import FleetServer
+from arc_dev.tinymodel import build_tiny_llama
+from arc_loadtest.run import ReplayRun, run_replay
+
+pytestmark = [pytest.mark.locust, pytest.mark.slow]
+
+BLOCK_TOKENS = 32
+SERVER_PORT = 47580  # nothing else of the test suite listens in 47580-47599
+SILENT_PORT = 47590  # never bound: connections to it are refused
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_llama(tmp_path_factory.mktemp("failed-requests-model"))
+
+
+def long_answers(path: Path, requests: int, output_tokens: int, spacing_s: float) -> Path:
+    """Mooncake records with distinct two-block prompts and long answers."""
+    records = [
+        {"timestamp": round(1000 * spacing_s * n), "input_length": 2 * BLOCK_TOKENS,
+         "output_length": output_tokens, "hash_ids": [2 * n, 2 * n + 1]}
+        for n in range(requests)
+    ]  # fmt: skip
+    return write_lines(path, records)
+
+
+def read_rows(run: ReplayRun) -> list[dict]:
+    return [json.loads(line) for line in run.results.read_text().splitlines()]
+
+
+def test_requests_to_a_closed_port_fail_as_refused(model_dir: Path, tmp_path: Path) -> None:
+    trace = long_answers(tmp_path / "t.jsonl", requests=3, output_tokens=4, spacing_s=0.1)
+    run = run_replay(f"http://127.0.0.1:{SILENT_PORT}", trace, out_dir=tmp_path / "out",
+                     run_time_s=60, block_tokens=BLOCK_TOKENS, model="m",
+                     tokenizer=model_dir)  # fmt: skip
+    assert run.exit_code == 1, run.log[-2000:]
+    assert run.summary is not None
+    assert run.summary["requests_failed"] == 3
+    assert run.summary["failures"]["refused"] == 3
+    assert run.summary["requests_failed_in_flight"] == 0
+    assert "failed requests: 3 refused" in run.log
+
+
+@pytest.mark.vllm
+def test_requests_cut_by_a_killed_server_fail_in_flight(model_dir: Path, tmp_path: Path) -> None:
+    server = FleetServer(0, model_dir, port=SERVER_PORT, api_key="key-for-this-test",
+                         capacity_blocks=64, max_model_len=2048, policy="lru",
+                         work_dir=tmp_path)  # fmt: skip
+    # Long answers, so several streams are open when the server dies.
+    trace = long_answers(tmp_path / "t.jsonl", requests=6, output_tokens=1500, spacing_s=2.0)
+    outcome: list[ReplayRun] = []
+    with server:
+        replay = threading.Thread(
+            target=lambda: outcome.append(
+                run_replay(server.url, trace, out_dir=tmp_path / "out", run_time_s=240,
+                           block_tokens=BLOCK_TOKENS, model=server.served_model_name,
+                           tokenizer=model_dir, api_key=server.api_key)
+            )
+        )  # fmt: skip
+        replay.start()
+        deadline = time.monotonic() + 120
+        while (server.stats().requests or 0) < 1:  # one answer complete: streams are flowing
+            assert time.monotonic() < deadline, "no request finished within 120 s"
+            time.sleep(0.2)
+        server.kill()
+        replay.join(timeout=300)
+    assert outcome, "the replay did not end within 300 s"
+    run = outcome[0]
+    assert run.exit_code == 1 and run.summary is not None, run.log[-2000:]
+    rows = read_rows(run)
+    failed = [row for row in rows if not row["ok"]]
+    assert failed, "the kill failed no request"
+    # A request whose stream had started (HTTP 200) was in flight; none counts as refused.
+    assert all(row["failure"] == "in_flight" for row in failed if row["status"] == 200)
+    assert run.summary["requests_failed_in_flight"] >= 1
+    assert run.summary["requests_failed_in_flight"] == sum(
+        row["failure"] == "in_flight" for row in failed
+    )
