@@ -18,7 +18,7 @@ from arc_serving_common.traces import load_trace
 
 pytestmark = [pytest.mark.vllm, pytest.mark.locust, pytest.mark.slow]
 
-PORT_BASE = 47500  # the demo's default range is 47400; a test never shares it
+PORT_BASE = 27500  # the demo's default range is 27400; a test never shares it
 ROUTING = fleet_demo.DEFAULT_ROUTING
 EVICTION = fleet_demo.DEFAULT_EVICTION
 # The router logs each consistent_hash decision with the key it hashed (INFO level).

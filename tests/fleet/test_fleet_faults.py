@@ -46,11 +46,11 @@ from tests.fleet.faults_fleet import (
 
 pytestmark = [pytest.mark.vllm, pytest.mark.locust, pytest.mark.slow]
 
-# Ports 47600-47699 are the fleet's (arc_dev.fleet); the second router and the silent event
-# ports of the degraded-stream test use 47700-47799.
-PORT_BASE = 47600
-SILENT_ROUTER_PORT = 47700
-SILENT_EVENT_PORT = 47710
+# Ports 27600-27699 are the fleet's (arc_dev.fleet); the second router and the silent event
+# ports of the degraded-stream test use 27700-27799.
+PORT_BASE = 27600
+SILENT_ROUTER_PORT = 27700
+SILENT_EVENT_PORT = 27710
 A, B = 0, 1  # server indexes
 LOOKUPS = "vllm_router_kv_placement_lookups_total"
 RUNNING = "vllm_router_running_requests"

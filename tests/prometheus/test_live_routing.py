@@ -1,7 +1,7 @@
 """The routing dashboard and the router's alert rules of the chart, evaluated by a real
 Prometheus on real data from a local fleet: two real vLLM servers (CPU build, the plugin, KV
 events) behind the real vllm-router with the kv_aware policy (``arc_dev.fleet``, ports
-47200-47291).
+27200-27291).
 
 Prometheus scrapes the engines through the scrape job the Prometheus Operator builds from the
 chart's engine PodMonitor and the router's ``--prometheus-port`` through the one it builds from
@@ -52,7 +52,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 SCRAPE_S = 1.0
 RULE_TIME_FACTOR = 60
-PORT_BASE = 47200  # the fleet's servers on 47200 and 47210, its router on 47290 and 47291
+PORT_BASE = 27200  # the fleet's servers on 27200 and 27210, its router on 27290 and 27291
 NAMESPACE, SERVINGPOLICY = "llm", "chat"
 ENGINE_MONITOR, ROUTER_MONITOR = "rel-arc-serving-engine", "rel-arc-serving-router"
 PODS, ROUTER_POD = ("chat-0", "chat-1"), "chat-router-0"

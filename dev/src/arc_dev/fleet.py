@@ -45,6 +45,9 @@ Contract (fault tests rely on it; it does not change without changing them):
 - ``fleet.ports()``: every port the fleet listens on; ``start()`` (of the fleet or of the
   router alone) raises ``FleetError`` naming a port something else already listens on.
 
+The default ``port_base`` lies below Linux's range for outgoing connections (32768-60999), so
+no other process's connection can hold one of the fixed ports.
+
 Invariants: only ports ``port_base .. port_base + 99`` are used, all on 127.0.0.1 except
 the KV-event publishers (vLLM binds a publisher only on a wildcard address); at most
 ``replicas`` vLLM servers of a fleet run at once; every child process is in its own process
@@ -465,7 +468,7 @@ class Fleet:
         eviction: str = "lru",
         capacity_blocks: int = 64,
         max_model_len: int | None = None,
-        port_base: int = 47400,
+        port_base: int = 27400,
         api_key: str | None = None,
         server_args: Sequence[str] = (),
         router_args: Sequence[str] = (),

@@ -92,7 +92,7 @@ COST = CostModel(
     prefill_seconds_per_token=0.22e-3, decode_seconds_per_token=0.008, step_seconds=0.02
 )
 REPLAY_MARGIN_S = 60  # Locust's --run-time beyond the trace's own duration
-PORT_BASE = 47400
+PORT_BASE = 27400
 
 
 class FleetDemoError(RuntimeError):
