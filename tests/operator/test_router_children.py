@@ -271,8 +271,11 @@ def test_kv_aware_router_args_parse_as_static_workers_with_their_event_sockets()
     # The router hashes prompts as the pods do: their block size, their served model name.
     assert (args.kv_event_block_size, args.kv_event_model) == (32, "qwen")
     assert not args.service_discovery
-    # Kubernetes expands $(VLLM_API_KEY) from the env, which comes from the Secret.
+    # Kubernetes expands $(VLLM_API_KEY) from the env, which comes from the Secret; the router
+    # must read any key as the value, also one that starts with "-".
     assert args.api_key == "$(VLLM_API_KEY)"
+    expanded = [arg.replace("$(VLLM_API_KEY)", "-Kx_9") for arg in container["args"]]
+    assert parse_router_args(expanded).api_key == "-Kx_9"
     (key,) = [var for var in container["env"] if var["name"] == "VLLM_API_KEY"]
     assert key["valueFrom"]["secretKeyRef"] == {
         "name": "qwen-api-key",

@@ -655,7 +655,7 @@ def dashboard_monitor(server: VllmServer, log_path: Path) -> PrometheusServer | 
 
 
 # --------------------------------------------------------------------------- main
-class _Clock:
+class StepClock:
     """Prints each step with the wall time since the demo started."""
 
     def __init__(self) -> None:
@@ -673,7 +673,7 @@ def run_demo(settings: DemoSettings) -> int:
     from arc_dev.tinymodel import build_tiny_llama
     from arc_dev.vllm_server import VllmServerError
 
-    clock = _Clock()
+    clock = StepClock()
     out = settings.out
     out.mkdir(parents=True, exist_ok=True)
     trace_path = out / "docqa.jsonl"

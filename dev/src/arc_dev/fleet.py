@@ -326,8 +326,9 @@ class FleetRouter:
             self.policy,
             "--worker-urls",
             *workers,
-            "--api-key",
-            self.api_key,
+            # One token: a key that starts with "-" (token_urlsafe draws them) would otherwise
+            # read as an option.
+            f"--api-key={self.api_key}",
         ]
         if self.policy == "kv_aware":
             for server in self.servers:

@@ -37,6 +37,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from arc_dev.demo import StepClock
 from arc_dev.fleet import (
     BLOCK_TOKENS,
     ROUTER_POLICIES,
@@ -432,19 +433,6 @@ def replay_pair(
     )
 
 
-class _Clock:
-    """Prints each step with the wall time since the demo started."""
-
-    def __init__(self) -> None:
-        self.started = time.monotonic()
-
-    def elapsed(self) -> float:
-        return time.monotonic() - self.started
-
-    def step(self, text: str) -> None:
-        print(f"[{self.elapsed():6.1f}s] {text}", flush=True)
-
-
 def write_reports(
     out: Path,
     settings: FleetDemoSettings,
@@ -479,7 +467,7 @@ def run_demo(settings: FleetDemoSettings) -> int:
     from arc_dev.tinymodel import build_tiny_llama
     from arc_dev.vllm_server import VllmServerError
 
-    clock = _Clock()
+    clock = StepClock()
     out = settings.out
     out.mkdir(parents=True, exist_ok=True)
     trace_path = out / "mixed.jsonl"

@@ -475,7 +475,8 @@ def router_args(
             "--service-discovery-port", str(PORT),
         ]  # fmt: skip
     if spec.api_key_secret_ref is not None:
-        args += ["--api-key", f"$({API_KEY_ENV})"]
+        # One token: a key that starts with "-" would otherwise read as an option.
+        args += [f"--api-key=$({API_KEY_ENV})"]
     return [*args, *spec.routing.args]
 
 
