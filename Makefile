@@ -112,7 +112,7 @@ images:
 	fi
 
 clean:
-	rm -rf $(VENV) $(AUDIT_VENV) $(TOOLS) $(OUT)
+	rm -rf $(VENV) $(AUDIT_VENV) $(VENV_VLLM033) $(TOOLS) $(OUT)
 
 # Operator end-to-end check on the cluster in KUBECONFIG (skips when none is reachable).
 .PHONY: e2e
