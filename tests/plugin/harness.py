@@ -9,6 +9,7 @@ request: it looks up the prefix cache, then allocates slots for the whole prompt
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
@@ -37,8 +38,20 @@ init_none_hash(sha256)
 _ids = itertools.count()
 
 
-# Layouts the plugin drives, by name: the attention type of each KV cache group.
-SUPPORTED_LAYOUTS = ("full", "swa", "full+swa", "full+chunked", "full+swa+chunked")
+# Layouts the plugin drives, by name: the attention type of each KV cache group, ``*k`` for a
+# group whose blocks are k times the base block size (page sizes differ, e.g. by KV dtype or
+# head count). vLLM then hashes at the gcd of the group block sizes, so a full-attention group
+# with larger blocks also caches the prompt's partial last block (``cache_partial_block``).
+SUPPORTED_LAYOUTS = (
+    "full",
+    "swa",
+    "full+swa",
+    "full+chunked",
+    "full+swa+chunked",
+    "full*2+swa",
+    "full*4+swa",
+    "full+swa*2",
+)
 REFUSED_LAYOUTS = ("full+mamba",)
 
 
@@ -61,11 +74,20 @@ def group_spec(kind: str, block_size: int) -> KVCacheSpec:
     raise ValueError(f"unknown group kind {kind!r}: expected full, swa, chunked or mamba")
 
 
+def group_block_sizes(block_size: int, layout: str) -> list[tuple[str, int]]:
+    """(kind, block size) of each ``+``-separated group of ``layout`` (``kind*k``: k blocks)."""
+    groups = []
+    for group in layout.split("+"):
+        kind, _, times = group.partition("*")
+        groups.append((kind, block_size * int(times or 1)))
+    return groups
+
+
 def kv_cache_config(num_blocks: int, block_size: int, layout: str = "full") -> KVCacheConfig:
     """A KV cache config with one group per ``+``-separated kind of ``layout``."""
     groups = [
-        KVCacheGroupSpec([f"layer.{i}"], group_spec(kind, block_size))
-        for i, kind in enumerate(layout.split("+"))
+        KVCacheGroupSpec([f"layer.{i}"], group_spec(kind, size))
+        for i, (kind, size) in enumerate(group_block_sizes(block_size, layout))
     ]
     return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
 
@@ -89,11 +111,15 @@ def make_manager(
     events: bool = False,
 ) -> KVCacheManager:
     """A real KVCacheManager whose pool evicts by ``policy`` (the plugin installed), or
-    vLLM's own pool for ``policy=None``; ``events`` turns vLLM's KV cache events on."""
+    vLLM's own pool for ``policy=None``; ``events`` turns vLLM's KV cache events on.
+
+    As vLLM's scheduler does, requests are hashed at the gcd of the group block sizes and
+    scheduled (and cached) at their lcm; with one block size both are ``block_size``."""
+    sizes = [size for _, size in group_block_sizes(block_size, layout)]
     kwargs = {
         "max_model_len": num_blocks * block_size,
-        "scheduler_block_size": block_size,
-        "hash_block_size": block_size,
+        "scheduler_block_size": math.lcm(*sizes),
+        "hash_block_size": math.gcd(*sizes),
         "enable_caching": True,
         "enable_kv_cache_events": events,
     }

@@ -92,3 +92,51 @@ def test_sliding_window_model_serves_with_the_plugin_and_hits_per_group(
             value(m, "vllm:prefix_cache_hits_total") - value(before, "vllm:prefix_cache_hits_total")
             == 4 * BLOCK
         )
+
+
+def test_hybrid_model_hashed_finer_than_its_blocks_decodes_across_a_block(
+    llama: Path, tmp_path: Path
+) -> None:
+    # The layout, as the CPU build can make it (its blocks are multiples of 32 tokens
+    # and the tiny model's layers share one page size): both groups of the hybrid Llama hold
+    # 32 tokens a block and requests are hashed every 16 (--prefix-match-unit, what vLLM sets
+    # to the gcd of the block sizes when pages differ). Full attention then caches the
+    # prompt's partial last block: a 60-token prompt does so on its 4th decode step
+    # (63 -> 64 computed tokens), which stopped the engine before the plugin modelled it.
+    changes, policy, _ = MODELS["hybrid"]
+    model = tmp_path / "tiny-hybrid"
+    shutil.copytree(llama, model)
+    config = json.loads((model / "config.json").read_text())
+    config.update(changes)
+    (model / "config.json").write_text(json.dumps(config))
+    with VllmServer(
+        model,
+        block_size=BLOCK,
+        num_gpu_blocks=49,
+        max_model_len=512,
+        served_model_name="tiny",
+        env={"ARC_EVICTOR_POLICY": policy},
+        extra_args=["--prefix-match-unit", "16"],
+        log_path=tmp_path / "server.log",
+    ) as server:
+        log = server.log_tail(20000)
+        assert f"evicts by {policy}" in log
+        assert "kv cache group sizes (32, 32)" in log
+        before = metrics(server)
+        sixty = prompt(11, 1)[:33] + prompt(12, 1)[:27]
+        assert len(complete(server, sixty, max_tokens=8)["choices"][0]["text"]) > 0
+        again = complete(server, sixty + prompt(13, 1), max_tokens=2)
+        assert again["usage"]["completion_tokens"] == 2
+        m = wait_for(
+            server,
+            lambda m: (
+                value(m, "vllm:prefix_cache_hits_total")
+                > value(before, "vllm:prefix_cache_hits_total")
+            ),
+        )
+        # Block 0 hits; block 1 holds decoded tokens the second prompt does not share, and the
+        # 48-token partial key serves only partial prefix-cache hits (off, as vLLM builds it).
+        assert (
+            value(m, "vllm:prefix_cache_hits_total") - value(before, "vllm:prefix_cache_hits_total")
+            == BLOCK
+        )

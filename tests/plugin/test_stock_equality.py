@@ -19,7 +19,7 @@ from collections import Counter
 from typing import Any
 
 import pytest
-from harness import SUPPORTED_LAYOUTS, make_manager, make_request
+from harness import SUPPORTED_LAYOUTS, group_block_sizes, make_manager, make_request
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
@@ -49,6 +49,15 @@ def test_lru_equals_vllm_block_for_block(layout: str, seed: int) -> None:
     assert actions["logprobs"] and actions["decode"] and actions["free"] and actions["reset"]
     assert any(isinstance(e, BlockRemoved) for step in stock for e in step.events)
     assert any(step.block_ids is None for step in stock)  # the pool ran full
+    if layout.startswith("full*"):
+        # Full attention with blocks larger than the hash unit cached a partial block.
+        assert any(partial_block_stored(step.events, layout) for step in stock)
+
+
+def partial_block_stored(events: list, layout: str) -> bool:
+    """True if ``events`` store a key for part of a block (a ``cache_partial_block`` key)."""
+    sizes = dict(enumerate(size for _, size in group_block_sizes(BS, layout)))
+    return any(isinstance(e, BlockStored) and e.block_size < sizes[e.group_idx] for e in events)
 
 
 @given(seed=st.integers(0, 10**6), layout=st.sampled_from(SUPPORTED_LAYOUTS))
@@ -84,6 +93,44 @@ def test_prompt_logprobs_allocate_fresh_blocks_as_vllm_does() -> None:
     assert [type(e) for e in events] == [BlockStored]
 
 
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_decode_across_a_block_boundary_with_two_block_sizes_equals_vllm(policy: str) -> None:
+    # Full attention with 32-token blocks and a sliding window with 16-token blocks: vLLM
+    # hashes every 16 tokens and caches per 32. A 60-token prompt's decode reaches 64
+    # computed tokens on its 4th step; full attention then caches block 1 and registers the
+    # prompt's last 16-token boundary (48 tokens) as a partial key of that block.
+    records = {}
+    for name in (None, policy):
+        manager = make_manager(name, 24, 16, layout="full*2+swa", events=True)
+        request = make_request(tokens(3, 60), 16)
+        computed, hit_tokens, _ = manager.get_computed_blocks(request)
+        manager.allocate_slots(request, 60, hit_tokens, computed)
+        request.num_computed_tokens = 60
+        steps = [manager.take_events()]
+        for token in tokens(4, 6):
+            request.append_output_token_ids(token)
+            new = manager.allocate_slots(request, 1)
+            assert new is not None
+            request.num_computed_tokens += 1
+            steps.append((new.get_block_ids(), manager.take_events()))
+            if name is not None:
+                manager.block_pool.verify()
+        manager.free(request)
+        again = make_request(tokens(3, 60) + tokens(5, 40), 16)
+        computed, hit_tokens, _ = manager.get_computed_blocks(again)
+        steps.append((hit_tokens, computed.get_block_ids()))
+        records[name] = steps
+    assert records[policy] == records[None]
+    _, fourth_events = records[None][4]
+    # (event, block size, group): full attention's block 1, its partial key, the window's block.
+    assert [(type(e), e.block_size, e.group_idx) for e in fourth_events] == [
+        (BlockStored, 32, 0),
+        (BlockStored, 16, 0),
+        (BlockStored, 16, 1),
+    ]
+    assert records[None][-1][0] == 32  # the cached block and its window hit again
+
+
 def replay_events(events: list, cached: Counter) -> None:
     """Apply KV events to a count of cached copies per (hash, group)."""
     for event in events:
@@ -100,7 +147,8 @@ def replay_events(events: list, cached: Counter) -> None:
 
 def drive_checked(policy: str, layout: str, seed: int, steps: int) -> tuple[list[Step], Any]:
     """Run the workload with invalidations; after each step ``verify`` recounts the pool and
-    the KV events so far must replay into exactly the copies vLLM's prefix-cache map holds."""
+    the KV events so far must replay into exactly the copies vLLM's prefix-cache map holds
+    (partial-block keys included)."""
     manager = make_manager(policy, NUM_BLOCKS, BS, layout=layout, events=True)
     pool = manager.block_pool
     cached: Counter = Counter()
@@ -108,10 +156,11 @@ def drive_checked(policy: str, layout: str, seed: int, steps: int) -> tuple[list
     def check() -> None:
         pool.verify()
         replay_events(manager.take_events(), cached)
+        # Every key vLLM's map holds: each block's hash and its partial-block keys.
+        keys = [b.block_hash for b in pool.blocks if b.block_hash is not None]
+        keys += [key for further in pool.cached_block_hashes_by_block.values() for key in further]
         held = Counter(
-            (maybe_convert_block_hash(get_block_hash(b.block_hash)), get_group_id(b.block_hash))
-            for b in pool.blocks
-            if b.block_hash is not None
+            (maybe_convert_block_hash(get_block_hash(key)), get_group_id(key)) for key in keys
         )
         assert +cached == held
 

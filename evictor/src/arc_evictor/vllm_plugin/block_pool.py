@@ -131,7 +131,9 @@ class PolicyBlockPool(BlockPool):
       number of non-null blocks with ``ref_cnt == 0`` (the scheduler admits requests by it);
     - the policy's resident keys are exactly the keys of ``_block_of``; ``_key_of`` maps each
       of their blocks back to its entry and no other block to anything; every (key, block) of
-      vLLM's prefix-cache map is a resident entry's block with that key.
+      vLLM's prefix-cache map is a resident entry's block with that key, or with that key
+      among the block's partial-block keys (``cached_block_hashes_by_block``): one policy
+      entry per block, for its primary hash.
 
     ``BlockPool`` calls mapped onto the policy's call protocol (``arc_evictor.policies.base``;
     ``docs/plugin.md``):
@@ -146,6 +148,10 @@ class PolicyBlockPool(BlockPool):
       block ids, their order and the KV events are vLLM's own;
     - ``cache_full_blocks``: a block gets its hash; its entry was inserted at allocation, or
       is inserted now when the allocation had no key for it;
+    - ``cache_partial_block`` (a full-attention group whose blocks are larger than the hash
+      unit registers the prompt's last hash boundary inside a block): a block that holds a
+      hash keeps its entry, the partial key is vLLM's lookup metadata and leaves vLLM's map
+      with the block; a held block without a hash takes the partial key as its entry's;
     - ``free_blocks``: ref 1 -> 0: ``unpin`` in vLLM's order (tail first);
     - ``evict_blocks`` / ``reset_prefix_cache``: ``remove`` / ``clear``.
 
@@ -303,18 +309,44 @@ class PolicyBlockPool(BlockPool):
             if key is None:
                 continue  # the null block, or masked out
             known = key_of[block.block_id]
-            if known is not None:
-                if hash_of(known) == key:
-                    continue  # inserted at allocation
-                self._drop_entry(block, known)
-            # A key decided after allocation (no Allocation, or not the predicted one).
-            entry = self._entry_for(key)
-            self.policy.find(entry)
-            if len(self.policy) >= self.policy.capacity:
-                raise RuntimeError(f"policy full while caching block {block.block_id}")
-            self.policy.insert(entry)
-            self._block_of[entry] = block
-            key_of[block.block_id] = entry
+            if known is None or hash_of(known) != key:
+                # A key decided after allocation (no Allocation, or not the predicted one).
+                self._follow_primary_hash(block, known)
+
+    def cache_partial_block(
+        self,
+        request: Request,
+        block: KVCacheBlock,
+        num_tokens: int,
+        kv_cache_group_id: int,
+        block_size: int,
+        replace_existing_hashes: bool = False,
+    ) -> Key | None:
+        # vLLM registers the partial key as lookup metadata owned by the block: a further key
+        # of a block that holds a hash (cached_block_hashes_by_block), else its primary hash.
+        # The policy keeps one entry per block, for its primary hash: the further keys leave
+        # vLLM's map with the block when it is evicted, as in vLLM.
+        key = super().cache_partial_block(
+            request, block, num_tokens, kv_cache_group_id, block_size, replace_existing_hashes
+        )
+        if key is not None:
+            known = self._key_of[block.block_id]
+            if known is None or hash_of(known) != block._block_hash:
+                self._follow_primary_hash(block, known)
+        return key
+
+    def _follow_primary_hash(self, block: KVCacheBlock, known: Entry | None) -> None:
+        """Held ``block`` got a primary hash other than ``known``'s: its entry follows it."""
+        assert block.ref_cnt > 0, f"free block {block.block_id} got a hash outside the policy"
+        if known is not None:
+            self._drop_entry(block, known)
+        entry = self._entry_for(block._block_hash)
+        self.policy.find(entry)
+        if len(self.policy) >= self.policy.capacity:
+            raise RuntimeError(f"policy full while caching block {block.block_id}")
+        self.policy.insert(entry)
+        self._block_of[entry] = block
+        self._key_of[block.block_id] = entry
 
     def _drop_entry(self, block: KVCacheBlock, entry: Entry) -> None:
         """Held ``block`` no longer stands for ``entry``: the entry leaves the policy."""
@@ -426,9 +458,6 @@ class PolicyBlockPool(BlockPool):
     def unpin_blocks(self, blocks: Iterable[KVCacheBlock], on_reuse: Callable[..., None]) -> None:
         raise UnsupportedVllmError("arc_evictor: BlockPool.unpin_blocks (HiSparse) is unsupported")
 
-    def cache_partial_block(self, *args: Any, **kwargs: Any) -> Any:
-        raise UnsupportedVllmError("arc_evictor: partial-block prefix caching is unsupported")
-
     def move_block_hashes(self, src_block: KVCacheBlock, dst_block: KVCacheBlock) -> None:
         raise UnsupportedVllmError("arc_evictor: moving block hashes (CoW) is unsupported")
 
@@ -460,11 +489,14 @@ class PolicyBlockPool(BlockPool):
         assert evictable == self._num_evictable, (
             f"evictable count {self._num_evictable} != recount {evictable}"
         )
+        further = self.cached_block_hashes_by_block
         for key, blocks in self.cached_block_hash_to_block._cache.items():
             for block in [blocks] if isinstance(blocks, KVCacheBlock) else blocks.values():
                 entry = key_of.get(block.block_id)
-                assert entry is not None and hash_of(entry) == key, (
-                    f"vLLM caches block {block.block_id} without a policy entry for its key"
+                assert entry is not None, f"vLLM caches block {block.block_id} without an entry"
+                assert hash_of(entry) == key or key in further.get(block.block_id, ()), (
+                    f"vLLM caches block {block.block_id} under a key that is neither its "
+                    "entry's nor one of its partial keys"
                 )
         free_by_ref = 0
         for block in self.blocks:

@@ -5,12 +5,15 @@ per supported release series): the targeted vLLM version and, for each private a
 plugin reads or calls, each vLLM symbol it patches and each ``BlockPool`` method
 ``PolicyBlockPool`` overrides, where vLLM defines it and what the plugin uses it for. Files read
 to write it: ``vllm/v1/core/block_pool.py``, ``kv_cache_utils.py``, ``kv_cache_manager.py``,
-``single_type_kv_cache_manager.py``, ``kv_cache_coordinator.py``, ``sched/scheduler.py`` and
+``single_type_kv_cache_manager.py``, ``kv_cache_coordinator.py``, ``sched/scheduler.py``,
+``vllm/v1/simple_kv_offload/manager.py`` and
 ``vllm/entrypoints/serve/middleware/authenticate.py``. A test holds the list complete (an AST
 scan of the plugin's modules) and checks every entry against the installed vLLM; the public
 attributes of the same classes the pool reads (``free_block_queue``, ``blocks``,
-``metrics_collector``, ``req_to_blocks``, ...) are exercised by the tests that drive vLLM's own
-KV cache manager. To support another vLLM, re-read those files and walk this list.
+``cached_block_hashes_by_block``, ``metrics_collector``, ``req_to_blocks``, ...) are
+exercised by the tests that drive vLLM's own KV cache manager. To support another vLLM,
+re-read those files and walk this list, and the readers of ``free_block_queue``
+(``docs/plugin.md``, "vLLM internals touched").
 
 Only this module and ``block_pool`` import vLLM internals, and ``register`` imports them only
 after ``version.check_vllm_version`` accepted the installed vLLM.
@@ -19,6 +22,7 @@ after ``version.check_vllm_version`` accepted the installed vLLM.
 from __future__ import annotations
 
 import functools
+import inspect
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,9 +32,10 @@ from vllm.entrypoints.serve.middleware import authenticate as vllm_authenticate
 from vllm.v1.core import kv_cache_coordinator, kv_cache_manager, single_type_kv_cache_manager
 from vllm.v1.core.sched import scheduler as vllm_scheduler
 from vllm.v1.request import Request
+from vllm.v1.simple_kv_offload import manager as simple_kv_offload
 
 from arc_evictor.vllm_plugin.auth import authenticate_every_path
-from arc_evictor.vllm_plugin.block_pool import Allocation, PolicyBlockPool
+from arc_evictor.vllm_plugin.block_pool import Allocation, BlockPool, PolicyBlockPool
 from arc_evictor.vllm_plugin.version import TARGET_VLLM, UnsupportedVllmError, vllm_series
 
 # private: a private attribute read or called; patched: replaced in vLLM by the plugin;
@@ -113,14 +118,23 @@ _ENTRIES = (
         "vllm.v1.core.kv_cache_coordinator",
         "BlockPool",
         "patched",
-        "the name the KV cache coordinator builds its device pool by; replaced by a factory "
-        "of PolicyBlockPool",
+        "the name a KV cache coordinator builds its pool by; replaced by a factory that "
+        "builds a PolicyBlockPool while KVCacheManager.__init__ runs (the device pool) and "
+        "vLLM's own BlockPool otherwise (a KV connector's CPU or lookup pool)",
     ),
     VllmInternal(
         _KV_CACHE_MANAGER,
         "__init__",
         "patched",
-        "wrapped: refuses KV cache layouts the policy pool does not model (check_supported_layout)",
+        "wrapped: marks the device pool for the factory above; refuses KV cache layouts the "
+        "policy pool does not model (check_supported_layout)",
+    ),
+    VllmInternal(
+        "vllm.v1.simple_kv_offload.manager.SimpleCPUOffloadScheduler",
+        "__init__",
+        "patched",
+        "wrapped: refuses lazy offloading (lazy_offload), which finds the blocks to offload "
+        "by walking BlockPool.free_block_queue, where the policy pool keeps no cached block",
     ),
     VllmInternal(
         _KV_CACHE_MANAGER,
@@ -182,7 +196,8 @@ _ENTRIES = (
         _BLOCK_POOL,
         "cache_partial_block",
         "overridden",
-        "refused: partial-block prefix caching is not modelled",
+        "extended: the block's policy entry follows its primary hash; a partial key of a "
+        "cached block stays vLLM's lookup metadata and leaves with the block",
     ),
     VllmInternal(
         _BLOCK_POOL,
@@ -234,11 +249,22 @@ def describe_layout(manager: Any) -> str:
     )
 
 
+LAZY_OFFLOAD_REFUSED = (
+    "arc_evictor does not support vLLM's SimpleCPUOffloadConnector in lazy mode "
+    '(kv_connector_extra_config "lazy_offload": true): it finds the blocks to offload by '
+    "walking the device pool's free_block_queue, where the plugin keeps only blocks without "
+    "a hash, so it would never offload a cached block. Use the connector's eager mode, or "
+    "unset ARC_EVICTOR_POLICY/ARC_EVICTOR_CONFIG."
+)
+
+
 def check_supported_layout(manager: Any) -> None:
     """Refuse KV cache layouts the policy pool does not model, naming the layout.
 
     Supported: any number of groups, each full attention, sliding window or chunked local
-    attention, sharing vLLM's one block pool (``docs/plugin.md``, "Supported vLLM and models").
+    attention, sharing vLLM's one block pool, with equal or different block sizes (a
+    full-attention group with blocks larger than the hash unit caches partial blocks,
+    ``PolicyBlockPool.cache_partial_block``; ``docs/plugin.md``, "Supported vLLM and models").
     Refused: Mamba, cross-attention and every other manager, and partial prefix-cache hits.
     """
     singles = manager.coordinator.single_type_managers
@@ -265,8 +291,10 @@ def install(
     on_step: Callable[[], None],
     on_pool: Callable[[PolicyBlockPool], None],
 ) -> None:
-    """Patch vLLM so every device pool the KV cache coordinator builds is a PolicyBlockPool.
+    """Patch vLLM so the device pool every KV cache manager builds is a PolicyBlockPool.
 
+    A pool another coordinator builds (a KV connector's CPU offload or lookup pool) stays
+    vLLM's own; SimpleCPUOffloadConnector's lazy mode is refused (``LAZY_OFFLOAD_REFUSED``).
     ``on_step`` runs before every scheduler step (live switching, metrics); ``on_pool`` runs
     once per new pool. Idempotent within a process. Every patched path checks for a
     ``PolicyBlockPool`` first, so a pool built otherwise behaves as vLLM's own.
@@ -274,7 +302,11 @@ def install(
     if _installed:
         return
 
-    def make_pool(*args: Any, **kwargs: Any) -> PolicyBlockPool:
+    def make_pool(*args: Any, **kwargs: Any) -> BlockPool:
+        if not _installed["building_device_pool"]:
+            # Another coordinator's pool (a KV connector's CPU offload or lookup pool): its
+            # owner registers hashes and frees blocks its own way, so it stays vLLM's.
+            return BlockPool(*args, **kwargs)
         pool = PolicyBlockPool(*args, policy_name=_installed["policy"], **kwargs)
         _POOLS.add(pool)
         on_pool(pool)
@@ -284,12 +316,27 @@ def install(
     orig_allocate_slots = kv_cache_manager.KVCacheManager.allocate_slots
     orig_new_blocks = single_type_kv_cache_manager.SingleTypeKVCacheManager.allocate_new_blocks
     orig_schedule = vllm_scheduler.Scheduler.schedule
+    orig_offload_init = simple_kv_offload.SimpleCPUOffloadScheduler.__init__
+    offload_signature = inspect.signature(orig_offload_init)
 
     @functools.wraps(orig_manager_init)
     def manager_init(self: Any, *args: Any, **kwargs: Any) -> None:
-        orig_manager_init(self, *args, **kwargs)
+        _installed["building_device_pool"] = True
+        try:
+            orig_manager_init(self, *args, **kwargs)
+        finally:
+            _installed["building_device_pool"] = False
         if isinstance(self.block_pool, PolicyBlockPool):
             check_supported_layout(self)
+
+    @functools.wraps(orig_offload_init)
+    def offload_init(self: Any, *args: Any, **kwargs: Any) -> None:
+        # Built by the scheduler before its KV cache manager: refused before either exists.
+        bound = offload_signature.bind(self, *args, **kwargs)
+        bound.apply_defaults()
+        if bound.arguments["lazy_offload"]:
+            raise UnsupportedVllmError(LAZY_OFFLOAD_REFUSED)
+        orig_offload_init(self, *args, **kwargs)
 
     @functools.wraps(orig_allocate_slots)
     def allocate_slots(self: Any, request: Request, *args: Any, **kwargs: Any) -> Any:
@@ -329,8 +376,10 @@ def install(
         return orig_schedule(self, *args, **kwargs)
 
     _installed["policy"] = policy_name
+    _installed["building_device_pool"] = False
     kv_cache_coordinator.BlockPool = make_pool  # type: ignore[assignment,misc]
     kv_cache_manager.KVCacheManager.__init__ = manager_init  # type: ignore[method-assign]
+    simple_kv_offload.SimpleCPUOffloadScheduler.__init__ = offload_init  # type: ignore[method-assign]
     kv_cache_manager.KVCacheManager.allocate_slots = allocate_slots  # type: ignore[method-assign]
     single_type_kv_cache_manager.SingleTypeKVCacheManager.allocate_new_blocks = (  # type: ignore[method-assign]
         allocate_new_blocks
