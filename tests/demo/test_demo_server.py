@@ -4,6 +4,7 @@ block counts must be the simulator's. One small server for the module (about a m
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from arc_dev import demo
+from arc_dev.pacing import measure_cost
 from arc_dev.tinymodel import build_tiny_llama
 from arc_dev.vllm_server import VllmServer
 from arc_serving_common.traces import load_trace
@@ -45,6 +47,18 @@ def session(server: VllmServer) -> demo.ServerSession:
 PROMPT = [5 + i % 900 for i in range(4 * demo.BLOCK_TOKENS + 5)]  # 4 full blocks + 5 tokens
 
 
+def test_timing_the_server_sees_cached_prompts_faster_and_decode_steps_cost_time(
+    session: demo.ServerSession,
+) -> None:
+    session.prepare("lru")
+    calibration = measure_cost(session.complete, 12 * demo.BLOCK_TOKENS)
+    assert calibration.miss_s > calibration.hit_s > 0
+    assert calibration.decode_s > 0
+    cost = calibration.cost_model()
+    assert cost.prefill_seconds_per_token > 0
+    assert cost.step_seconds == calibration.hit_s
+
+
 def hits_of(session: demo.ServerSession, prompt: list[int]) -> float:
     before = session.counters().block_hits
     session.complete(prompt)
@@ -71,16 +85,23 @@ def test_replay_counts_the_blocks_the_simulator_counts(
     params = DocQAParams(documents=3, document_tokens=200, questions_per_document=2,
                          question_tokens=20, output_tokens=3, seed=1)  # fmt: skip
     records = list(to_records(docqa(params), "bailian", demo.BLOCK_TOKENS))
+    # Far enough apart, on this machine's own timing, that the replay is sequential.
+    calibration = measure_cost(session.complete, 200)
+    gap_s = 4 * (calibration.miss_s + 3 * calibration.decode_s) + 0.2
     for number, record in enumerate(records):
-        # 0.6 s apart, and the tiny model answers within that: the replay is sequential.
-        record["timestamp"] = round(0.6 * number, 3)
+        record["timestamp"] = round(gap_s * number, 3)
     trace = tmp_path / "trace.jsonl"
     write_trace(trace, records)
     requests = load_trace(trace, block_tokens=demo.BLOCK_TOKENS)
     expected = simulate(requests, "arc", CAPACITY, sequential=True)
     run = demo.replay_policy(session, "arc", trace, tmp_path, tokenizer=model_dir,
-                             time_scale=1.0, run_time_s=60)  # fmt: skip
+                             time_scale=1.0, run_time_s=int(6 * gap_s) + 300,
+                             total=len(requests), scheduled_s=6 * gap_s,
+                             clock=demo.StepClock())  # fmt: skip
     assert run.requests == len(requests) == 6
+    rows = [json.loads(line) for line in (tmp_path / "arc" / "results.jsonl").open()]
+    ends = sorted((r["sent_wall"], r["sent_wall"] + r["e2e_s"]) for r in rows)
+    assert all(end <= next_sent for (_, end), (next_sent, _) in itertools.pairwise(ends))
     assert run.block_queries == expected.block_queries
     assert run.block_hits == expected.block_hits > 0
     assert (tmp_path / "arc" / "locust.log").is_file()

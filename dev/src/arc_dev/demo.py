@@ -8,14 +8,20 @@ Steps (each printed with its wall time):
 2. Build a small local Llama (random weights, local tokenizer; nothing is downloaded).
 3. Start one vLLM server with the plugin, a cache of ``capacity + 1`` blocks (block 0 is
    vLLM's null block) and the policy file ``policy.json`` (``ARC_EVICTOR_CONFIG``).
-4. For each policy in turn: rewrite the policy file and wait until the engine reports the
+4. Time the server (``arc_dev.pacing``): an uncached and a cached prompt of the trace's mean
+   length, and decode steps. From that, replay the trace at the speed that keeps the server
+   busy half the time (``--time-scale auto``), so that as many requests overlap on a slow
+   machine as on a fast one and the hit rates do not depend on the machine; the overlapping
+   prediction is redone at that speed with the measured service times.
+5. For each policy in turn: rewrite the policy file and wait until the engine reports the
    switch (``arc_evictor_policy_info``), empty the prefix cache (``POST /reset_prefix_cache``,
    which also clears the policy's state, ghosts included), then replay the whole trace with
    the real Locust, headless. Every policy therefore starts from an empty cache on the same
-   trace, on the same warm server process.
-5. Print one table (measured next to predicted hit rates), the gain lines against the first
+   trace, on the same warm server process. Progress (requests answered, time left) is printed
+   every 15 seconds.
+6. Print one table (measured next to predicted hit rates), the gain lines against the first
    policy and the targets, and write ``demo.png`` and ``demo.json``.
-6. A real Prometheus (``.tools/bin/prometheus``, from ``make tools``) scrapes the server every
+7. A real Prometheus (``.tools/bin/prometheus``, from ``make tools``) scrapes the server every
    second as the chart's PodMonitor would, the whole time; ``dashboards.png`` draws the
    chart's main Grafana dashboard (``arc_dev.snapshot``) from its range queries over the runs:
    hit rate and TTFT over time per policy, as Grafana would show them. Without the binary the
@@ -33,6 +39,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import subprocess
 import sys
@@ -45,6 +52,14 @@ from pathlib import Path
 from typing import Any
 
 from arc_dev import dashboards
+from arc_dev.pacing import (
+    TIME_SCALE_HELP,
+    Pace,
+    ProgressReporter,
+    measure_cost,
+    pace,
+    parse_time_scale,
+)
 from arc_dev.prometheus import (
     PROMETHEUS_BINARY,
     EngineTarget,
@@ -60,7 +75,7 @@ from arc_simulator.generate import DocQAParams, docqa, write_generated
 from arc_simulator.simulate import CostModel, simulate
 
 BLOCK_TOKENS = 32  # vLLM's CPU build needs a multiple of 32; the trace uses the same blocks
-# 60 documents of ~800 tokens, 300 questions at 3 requests/s, Zipf exponent 1.1. At 320
+# 60 documents of ~800 tokens, 300 questions (3 requests/s before pacing), Zipf 1.1. At 320
 # cached blocks (about 12 average documents) the simulator predicts ARC 9 points above LRU
 # (0.56 -> 0.65) in both modes for this seed (seeds 0-4 all show 3 to 9 points), and about
 # half the requests' prefills saved: the median request moves from a miss to a hit.
@@ -79,26 +94,41 @@ MAX_MODEL_LEN = 2_048
 # Hidden 512, 4 layers, 8 heads of 64: an uncached 1,000-token prefill takes about 0.2 s on
 # 2 CPU cores against about 0.02 s for a cached one, so cache hits show in TTFT.
 MODEL = {"hidden_size": 512, "num_layers": 4, "num_heads": 8}
-# The simulator's overlapping mode with service times measured for that model here.
+# The simulator's overlapping mode before the server is timed (``--simulate-only``): service
+# times of that model on one 2-core machine with AMX. A run replaces them with its own.
 COST = CostModel(
     prefill_seconds_per_token=0.22e-3, decode_seconds_per_token=0.008, step_seconds=0.02
 )
 POLL_MS = 100  # how often the plugin checks the policy file (default 500)
 SWITCH_TIMEOUT_S = 60.0
 RESET_TIMEOUT_S = 30.0
-REPLAY_MARGIN_S = 120  # Locust's --run-time beyond the trace's own duration
 TTFT_SHARE_TARGET = 0.5  # TTFT p50 gain must be at least half the hit-rate gain
 DISPATCH_LAG_P99_TARGET_S = 0.050
 SERVER_NICE = 5  # see _BackgroundServer
 # LRU is the baseline the gains are measured against; TRIO is the chart's default policy.
 DEFAULT_POLICIES = ("lru", "arc", "trio")
 SCRAPE_INTERVAL_S = 1.0
+# vLLM's counter of finished requests (every finish reason): the replay's progress.
+FINISHED_REQUESTS = "vllm:request_success_total"
 # How the demo's engine appears to Prometheus: as a pod of the chart's default release.
 DEMO_NAMESPACE, DEMO_POD, DEMO_SERVINGPOLICY = "arc-serving", "arc-demo-engine-0", "arc-demo"
 
 
 class DemoError(RuntimeError):
     """A step of the demo failed; the message says which and why."""
+
+
+class StepClock:
+    """Prints each step with the wall time since the demo started."""
+
+    def __init__(self) -> None:
+        self.started = time.monotonic()
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.started
+
+    def step(self, text: str) -> None:
+        print(f"[{self.elapsed():6.1f}s] {text}", flush=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,7 +139,7 @@ class DemoSettings:
     policies: tuple[str, ...] = DEFAULT_POLICIES
     capacity_blocks: int = CAPACITY_BLOCKS
     trace: DocQAParams = TRACE
-    time_scale: float = 1.0
+    time_scale: float | None = None  # None: paced to the measured server (arc_dev.pacing)
     simulate_only: bool = False
 
 
@@ -121,6 +151,7 @@ class Prediction:
     sequential: float
     overlapping: float
     ttft_p50_s: float | None
+    cost: CostModel | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,6 +161,7 @@ class PluginCounters:
     block_queries: float
     block_hits: float
     active_policy: str | None
+    requests_finished: float = 0.0
 
 
 @dataclass(slots=True)
@@ -196,12 +228,7 @@ def parse_args(argv: Sequence[str] | None = None) -> DemoSettings:
         help=f"cacheable blocks of {BLOCK_TOKENS} tokens (the server gets one more, vLLM's "
         f"null block; default {CAPACITY_BLOCKS})",
     )
-    parser.add_argument(
-        "--time-scale",
-        type=float,
-        default=1.0,
-        help="multiply the trace's timestamps (0.5 sends twice as fast; default 1)",
-    )
+    parser.add_argument("--time-scale", default="auto", help=TIME_SCALE_HELP)
     parser.add_argument("--seed", type=int, default=TRACE.seed, help="trace seed")
     parser.add_argument(
         "--simulate-only",
@@ -222,8 +249,10 @@ def parse_args(argv: Sequence[str] | None = None) -> DemoSettings:
             f"--capacity must be at least {min_capacity} blocks (one {MAX_MODEL_LEN}-token "
             f"request must fit, or vLLM refuses to start), got {args.capacity}"
         )
-    if not 0 < args.time_scale <= 100:
-        parser.error(f"--time-scale must be in (0, 100], got {args.time_scale}")
+    try:
+        time_scale = parse_time_scale(args.time_scale)
+    except ValueError as exc:
+        parser.error(str(exc))
     if args.seed < 0:
         parser.error(f"--seed must be >= 0, got {args.seed}")
     if args.out.exists() and not args.out.is_dir():
@@ -233,26 +262,40 @@ def parse_args(argv: Sequence[str] | None = None) -> DemoSettings:
         policies=policies,
         capacity_blocks=args.capacity,
         trace=replace(TRACE, seed=args.seed),
-        time_scale=args.time_scale,
+        time_scale=time_scale,
         simulate_only=args.simulate_only,
     )
 
 
 # --------------------------------------------------------------------- simulation
 def predict(
-    requests: Sequence[TraceRequest], policies: Sequence[str], capacity: int
+    requests: Sequence[TraceRequest],
+    policies: Sequence[str],
+    capacity: int,
+    cost: CostModel | None = COST,
 ) -> list[Prediction]:
-    """Each policy's simulated block hit rate at ``capacity``, sequential and overlapping."""
+    """Each policy's simulated block hit rate at ``capacity``, sequential and overlapping
+    (with ``cost``'s service times; None predicts the sequential mode only)."""
     predictions = []
     for name in policies:
         sequential = simulate(requests, name, capacity, sequential=True)
-        overlapping = simulate(requests, name, capacity, sequential=False, cost=COST)
+        if cost is None:
+            predictions.append(Prediction(name, sequential.block_hit_rate, math.nan, None, None))
+            continue
+        overlapping = simulate(requests, name, capacity, sequential=False, cost=cost)
         predictions.append(
-            Prediction(
-                name, sequential.block_hit_rate, overlapping.block_hit_rate, overlapping.ttft_p50_s
-            )
-        )
+            Prediction(name, sequential.block_hit_rate, overlapping.block_hit_rate,
+                       overlapping.ttft_p50_s, cost)
+        )  # fmt: skip
     return predictions
+
+
+def cost_of(predictions: Sequence[Prediction]) -> CostModel:
+    """The service times the predictions' overlapping mode used."""
+    costs = {p.cost for p in predictions}
+    if len(costs) != 1 or None in costs:
+        raise ValueError("the predictions do not share one cost model")
+    return next(iter(costs))
 
 
 # ------------------------------------------------------------------------ reports
@@ -475,9 +518,12 @@ def parse_plugin_counters(text: str) -> PluginCounters:
     totals = {"arc_evictor_block_queries_total": 0.0, "arc_evictor_block_hits_total": 0.0}
     seen = set()
     active = None
+    finished = 0.0
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name in totals:
+            if sample.name == FINISHED_REQUESTS:
+                finished += sample.value
+            elif sample.name in totals:
                 totals[sample.name] += sample.value
                 seen.add(sample.name)
             elif sample.name == "arc_evictor_policy_info" and sample.value == 1:
@@ -489,7 +535,10 @@ def parse_plugin_counters(text: str) -> PluginCounters:
             "active (ARC_EVICTOR_CONFIG set) and PROMETHEUS_MULTIPROC_DIR set?"
         )
     return PluginCounters(
-        totals["arc_evictor_block_queries_total"], totals["arc_evictor_block_hits_total"], active
+        totals["arc_evictor_block_queries_total"],
+        totals["arc_evictor_block_hits_total"],
+        active,
+        finished,
     )
 
 
@@ -571,19 +620,32 @@ def replay_policy(
     tokenizer: Path,
     time_scale: float,
     run_time_s: int,
+    total: int,
+    scheduled_s: float,
+    clock: StepClock,
 ) -> PolicyRun:
-    """Empty the cache under ``name``, replay ``trace`` with Locust; raise DemoError on failure."""
+    """Empty the cache under ``name``, replay ``trace`` with Locust; raise DemoError on failure.
+
+    Prints the requests the server has finished every 15 s while the replay runs (``total``
+    is the trace's length, ``scheduled_s`` when its last request is due).
+    """
     from arc_loadtest.run import run_replay
 
     session.prepare(name)
     before = session.counters()
     started = time.monotonic()
+
+    def answered() -> int:
+        return int(session.counters().requests_finished - before.requests_finished)
+
     try:
-        replay = run_replay(
-            session.base_url, trace, out_dir=out / name, run_time_s=run_time_s,
-            block_tokens=BLOCK_TOKENS, time_scale=time_scale, model=session.model,
-            tokenizer=tokenizer, api_key=session.api_key,
-        )  # fmt: skip
+        with ProgressReporter(name, total, answered, scheduled_s=scheduled_s,
+                              print_line=clock.step):  # fmt: skip
+            replay = run_replay(
+                session.base_url, trace, out_dir=out / name, run_time_s=run_time_s,
+                block_tokens=BLOCK_TOKENS, time_scale=time_scale, model=session.model,
+                tokenizer=tokenizer, api_key=session.api_key,
+            )  # fmt: skip
     except subprocess.TimeoutExpired as exc:
         raise DemoError(f"the {name} replay did not finish within {exc.timeout:.0f}s") from exc
     seconds = time.monotonic() - started
@@ -654,20 +716,35 @@ def dashboard_monitor(server: VllmServer, log_path: Path) -> PrometheusServer | 
     return PrometheusServer([job], evaluation_interval_s=SCRAPE_INTERVAL_S, log_path=log_path)
 
 
+def pace_to_server(
+    session: ServerSession,
+    requests: Sequence[TraceRequest],
+    settings: DemoSettings,
+    clock: StepClock,
+) -> tuple[Pace, list[Prediction]]:
+    """Time the server, choose the replay's speed, and predict again at that speed.
+
+    The pace follows the baseline's predicted hit rate (the lowest: the busiest run), so
+    every policy replays the same schedule; ``--time-scale`` overrides the speed only.
+    """
+    mean_prompt = sum(r.input_length for r in requests) // len(requests)
+    calibration = measure_cost(session.complete, max(mean_prompt, 2 * BLOCK_TOKENS))
+    cost = calibration.cost_model()
+    sequential = predict(requests, settings.policies, settings.capacity_blocks, cost=None)
+    hit_rate = min(p.sequential for p in sequential)
+    chosen = pace(requests, cost, hit_rate, time_scale=settings.time_scale)
+    clock.step(
+        f"server timed: {calibration.describe()}; replay at time scale {chosen.time_scale:.2f} "
+        f"({chosen.duration_s:.0f} s, the server busy about {100 * chosen.utilization:.0f}% of "
+        f"it at the baseline's predicted hit rate)"
+    )
+    scaled = [replace(r, timestamp_s=r.timestamp_s * chosen.time_scale) for r in requests]
+    predictions = predict(scaled, settings.policies, settings.capacity_blocks, cost=cost)
+    clock.step("simulator prediction at that pace:\n" + prediction_table(predictions))
+    return chosen, predictions
+
+
 # --------------------------------------------------------------------------- main
-class StepClock:
-    """Prints each step with the wall time since the demo started."""
-
-    def __init__(self) -> None:
-        self.started = time.monotonic()
-
-    def elapsed(self) -> float:
-        return time.monotonic() - self.started
-
-    def step(self, text: str) -> None:
-        print(f"[{self.elapsed():6.1f}s] {text}", flush=True)
-
-
 def run_demo(settings: DemoSettings) -> int:
     """The whole demo (see the module docstring); returns the exit status."""
     from arc_dev.tinymodel import build_tiny_llama
@@ -724,13 +801,15 @@ def run_demo(settings: DemoSettings) -> int:
             if monitor is not None:
                 monitor.wait_until(lambda: monitor.query("up == 1") != [], SWITCH_TIMEOUT_S,
                                    "Prometheus's first scrape of the engine")  # fmt: skip
-            run_time_s = int(duration * settings.time_scale) + REPLAY_MARGIN_S
+            replay_pace, predictions = pace_to_server(session, requests, settings, clock)
             runs_started = time.time()
             for name in settings.policies:
                 clock.step(f"{name}: switch, empty the cache, replay the trace with Locust")
                 runs.append(
                     replay_policy(session, name, trace_path, out, tokenizer=model_dir,
-                                  time_scale=settings.time_scale, run_time_s=run_time_s)
+                                  time_scale=replay_pace.time_scale,
+                                  run_time_s=replay_pace.deadline_s(), total=len(requests),
+                                  scheduled_s=replay_pace.duration_s, clock=clock)
                 )  # fmt: skip
             if monitor is not None:
                 snapshot(monitor, dashboards.load("overview.json"), runs_started, time.time(),
@@ -756,7 +835,9 @@ def run_demo(settings: DemoSettings) -> int:
             "policies": list(settings.policies),
             "capacity_blocks": settings.capacity_blocks,
             "trace": asdict(params),
-            "time_scale": settings.time_scale,
+            "time_scale": replay_pace.time_scale,
+            "utilization": replay_pace.utilization,
+            "cost_model": asdict(cost_of(predictions)),
             "model": MODEL,
         },
         "predictions": [asdict(p) for p in predictions],

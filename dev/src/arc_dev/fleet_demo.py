@@ -46,6 +46,14 @@ from arc_dev.fleet import (
     FleetError,
     ReplicaStats,
 )
+from arc_dev.pacing import (
+    TIME_SCALE_HELP,
+    Pace,
+    ProgressReporter,
+    measure_cost,
+    pace,
+    parse_time_scale,
+)
 from arc_evictor.policies import policy_names
 from arc_serving_common.traces import TraceRequest, load_trace
 from arc_simulator.fleet import simulate_fleet
@@ -89,10 +97,11 @@ CAPACITY_BLOCKS = 80  # per replica: about three documents, or two conversations
 # Hidden 512, 4 layers, 8 heads: the model of ``make demo``, whose cached prefills are
 # visibly faster than uncached ones on CPU.
 MODEL = {"hidden_size": 512, "num_layers": 4, "num_heads": 8}
+# The simulator's service times before the servers are timed (``--simulate-only``): that
+# model on one 2-core machine with AMX. A run replaces them with its own.
 COST = CostModel(
     prefill_seconds_per_token=0.22e-3, decode_seconds_per_token=0.008, step_seconds=0.02
 )
-REPLAY_MARGIN_S = 60  # Locust's --run-time beyond the trace's own duration
 PORT_BASE = 27400
 
 
@@ -110,7 +119,7 @@ class FleetDemoSettings:
     capacity_blocks: int = CAPACITY_BLOCKS
     docqa: DocQAParams = DOCQA
     conversation: ConversationParams = CONVERSATION
-    time_scale: float = 1.0
+    time_scale: float | None = None  # None: paced to the measured servers (arc_dev.pacing)
     port_base: int = PORT_BASE
     simulate_only: bool = False
 
@@ -178,9 +187,7 @@ def parse_args(argv: Sequence[str] | None = None) -> FleetDemoSettings:
     parser.add_argument(
         "--documents", type=int, default=DOCQA.documents, help="documents of the document-QA part"
     )
-    parser.add_argument(
-        "--time-scale", type=float, default=1.0, help="multiply the trace's timestamps (default 1)"
-    )
+    parser.add_argument("--time-scale", default="auto", help=TIME_SCALE_HELP)
     parser.add_argument(
         "--port-base",
         type=int,
@@ -207,8 +214,10 @@ def parse_args(argv: Sequence[str] | None = None) -> FleetDemoSettings:
     for option, value in (("--sessions", args.sessions), ("--documents", args.documents)):
         if value < 1:
             parser.error(f"{option} must be at least 1, got {value}")
-    if not 0 < args.time_scale <= 100:
-        parser.error(f"--time-scale must be in (0, 100], got {args.time_scale}")
+    try:
+        time_scale = parse_time_scale(args.time_scale)
+    except ValueError as exc:
+        parser.error(str(exc))
     if not 1024 <= args.port_base <= 65435:
         parser.error(f"--port-base must be between 1024 and 65435, got {args.port_base}")
     if args.seed < 0:
@@ -222,7 +231,7 @@ def parse_args(argv: Sequence[str] | None = None) -> FleetDemoSettings:
         capacity_blocks=args.capacity,
         docqa=replace(DOCQA, documents=args.documents, seed=args.seed),
         conversation=replace(CONVERSATION, sessions=args.sessions, seed=args.seed),
-        time_scale=args.time_scale,
+        time_scale=time_scale,
         port_base=args.port_base,
         simulate_only=args.simulate_only,
     )
@@ -251,13 +260,14 @@ def predict(
     routing: Sequence[str],
     eviction: Sequence[str],
     capacity: int,
+    cost: CostModel = COST,
 ) -> list[Figures]:
     """The simulator's fleet of ``REPLICAS`` replicas, overlapping mode, per pair."""
     predictions = []
     for router in routing:
         for policy in eviction:
             result, _ = simulate_fleet(
-                requests, policy, capacity, REPLICAS, router, sequential=False, cost=COST
+                requests, policy, capacity, REPLICAS, router, sequential=False, cost=cost
             )
             predictions.append(
                 Figures(
@@ -366,8 +376,14 @@ def replay_pair(
     tokenizer: Path,
     time_scale: float,
     run_time_s: int,
+    total: int,
+    scheduled_s: float,
+    clock: StepClock,
 ) -> Figures:
-    """Switch eviction live, empty the caches, replay ``trace`` through the router."""
+    """Switch eviction live, empty the caches, replay ``trace`` through the router.
+
+    Prints the requests the replicas have finished every 15 s while the replay runs.
+    """
     from arc_loadtest.run import run_replay
 
     fleet.switch_policy(eviction)
@@ -375,18 +391,24 @@ def replay_pair(
     run_dir = out / f"{routing}-{eviction}"
     before = fleet.per_replica_stats()
     started = time.monotonic()
+
+    def answered() -> int:
+        return int(sum(_delta(before, fleet.per_replica_stats(), "requests")))
+
     try:
-        replay = run_replay(
-            fleet.router.url,
-            trace,
-            out_dir=run_dir,
-            run_time_s=run_time_s,
-            block_tokens=BLOCK_TOKENS,
-            time_scale=time_scale,
-            model=SERVED_MODEL,
-            tokenizer=tokenizer,
-            api_key=fleet.api_key,
-        )
+        with ProgressReporter(f"{routing}/{eviction}", total, answered,
+                              scheduled_s=scheduled_s, print_line=clock.step):  # fmt: skip
+            replay = run_replay(
+                fleet.router.url,
+                trace,
+                out_dir=run_dir,
+                run_time_s=run_time_s,
+                block_tokens=BLOCK_TOKENS,
+                time_scale=time_scale,
+                model=SERVED_MODEL,
+                tokenizer=tokenizer,
+                api_key=fleet.api_key,
+            )
     except subprocess.TimeoutExpired as exc:
         raise FleetDemoError(
             f"the {routing}/{eviction} replay did not finish within {exc.timeout:.0f}s"
@@ -439,6 +461,8 @@ def write_reports(
     runs: Sequence[Figures],
     predictions: Sequence[Figures],
     seconds: float,
+    replay_pace: Pace,
+    cost: CostModel,
 ) -> str:
     """Write ``fleet.md`` and ``fleet.json``; return the text table."""
     rows = table_rows(runs, predictions)
@@ -451,7 +475,9 @@ def write_reports(
             "capacity_blocks_per_replica": settings.capacity_blocks,
             "docqa": asdict(settings.docqa),
             "conversation": asdict(settings.conversation),
-            "time_scale": settings.time_scale,
+            "time_scale": replay_pace.time_scale,
+            "utilization_per_replica": replay_pace.utilization,
+            "cost_model": asdict(cost),
             "model": MODEL,
         },
         "runs": [asdict(run) | {"block_hit_rate": run.block_hit_rate} for run in runs],
@@ -460,6 +486,35 @@ def write_reports(
     }
     (out / "fleet.json").write_text(json.dumps(report, indent=2) + "\n")
     return text_table(HEADER, rows)
+
+
+def pace_to_fleet(
+    fleet: Fleet, requests: Sequence[TraceRequest], settings: FleetDemoSettings, clock: StepClock
+) -> tuple[Pace, CostModel, list[Figures]]:
+    """Time the first replica, choose the replay's speed, and predict at that speed.
+
+    The pace assumes no hit at all (round robin on this trace gets few), so no routing's run
+    overloads the replicas; ``--time-scale`` overrides the speed only.
+    """
+    mean_prompt = sum(r.input_length for r in requests) // len(requests)
+    server = fleet.servers[0]
+    calibration = measure_cost(
+        lambda prompt, tokens: fleet.complete(prompt, tokens, url=server.url),
+        max(mean_prompt, 2 * BLOCK_TOKENS),
+    )
+    cost = calibration.cost_model()
+    fleet.reset_caches()
+    chosen = pace(requests, cost, 0.0, servers=REPLICAS, time_scale=settings.time_scale)
+    clock.step(
+        f"replica timed: {calibration.describe()}; replay at time scale "
+        f"{chosen.time_scale:.2f} ({chosen.duration_s:.0f} s, each replica busy about "
+        f"{100 * chosen.utilization:.0f}% of it if nothing hit)"
+    )
+    scaled = [replace(r, timestamp_s=r.timestamp_s * chosen.time_scale) for r in requests]
+    predictions = predict(scaled, settings.routing, settings.eviction, settings.capacity_blocks,
+                          cost)  # fmt: skip
+    clock.step("simulator predictions at that pace done")
+    return chosen, cost, predictions
 
 
 def run_demo(settings: FleetDemoSettings) -> int:
@@ -483,17 +538,16 @@ def run_demo(settings: FleetDemoSettings) -> int:
         f"documents), {distinct} distinct blocks; {REPLICAS} replicas of "
         f"{settings.capacity_blocks} blocks"
     )
-    # The simulator sees the arrival times Locust will send at.
-    scaled = [replace(r, timestamp_s=r.timestamp_s * settings.time_scale) for r in requests]
-    predictions = predict(scaled, settings.routing, settings.eviction, settings.capacity_blocks)
     if settings.simulate_only:
+        scaled = [replace(r, timestamp_s=r.timestamp_s * (settings.time_scale or 1.0))
+                  for r in requests]  # fmt: skip
+        predictions = predict(scaled, settings.routing, settings.eviction, settings.capacity_blocks)
         header = ["routing", "eviction", "sim hit", "sim TTFT p50 ms", "sim TTFT p90 ms",
                   "sim shares"]  # fmt: skip
         rows = [[p.routing, p.eviction, _rate(p.block_hit_rate), _ms(p.ttft_p50_s),
                  _ms(p.ttft_p90_s), _shares(p.shares)] for p in predictions]  # fmt: skip
         print(text_table(header, rows))
         return 0
-    clock.step("simulator predictions done")
     model_dir = build_tiny_llama(out / "model", **MODEL)
     fleet = Fleet(
         model_dir,
@@ -504,7 +558,6 @@ def run_demo(settings: FleetDemoSettings) -> int:
         capacity_blocks=settings.capacity_blocks,
         port_base=settings.port_base,
     )
-    run_time_s = int(duration * settings.time_scale) + REPLAY_MARGIN_S
     runs: list[Figures] = []
     try:
         with fleet:
@@ -515,6 +568,7 @@ def run_demo(settings: FleetDemoSettings) -> int:
             for server in fleet.servers:  # the first long prompts of a process are slower
                 for length in (1_500, 500):
                     fleet.complete([4 + i % 1000 for i in range(length)], 4, url=server.url)
+            replay_pace, cost, predictions = pace_to_fleet(fleet, requests, settings, clock)
             for routing in settings.routing:
                 if fleet.router.policy != routing:
                     fleet.router.restart(routing)
@@ -526,8 +580,11 @@ def run_demo(settings: FleetDemoSettings) -> int:
                         trace_path,
                         out,
                         tokenizer=model_dir,
-                        time_scale=settings.time_scale,
-                        run_time_s=run_time_s,
+                        time_scale=replay_pace.time_scale,
+                        run_time_s=replay_pace.deadline_s(),
+                        total=len(requests),
+                        scheduled_s=replay_pace.duration_s,
+                        clock=clock,
                     )
                     runs.append(run)
                     clock.step(
@@ -538,7 +595,7 @@ def run_demo(settings: FleetDemoSettings) -> int:
     except (VllmServerError, FleetError, FleetDemoError) as exc:
         print(f"error: {exc}\nlogs: {fleet.work_dir}", file=sys.stderr)
         return 1
-    table = write_reports(out, settings, runs, predictions, clock.elapsed())
+    table = write_reports(out, settings, runs, predictions, clock.elapsed(), replay_pace, cost)
     clock.step(f"done; {out / 'fleet.md'}, {out / 'fleet.json'}")
     print()
     print(table)
