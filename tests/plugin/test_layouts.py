@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 from harness import REFUSED_LAYOUTS, SUPPORTED_LAYOUTS, kv_cache_config, make_manager
-from vllm.config import VllmConfig
+from vllm.config import DeviceConfig, VllmConfig
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_coordinator import get_kv_cache_coordinator
 from vllm.v1.simple_kv_offload.manager import SimpleCPUOffloadScheduler
@@ -70,7 +70,8 @@ def test_lazy_cpu_offloading_is_refused_at_start_up_naming_it() -> None:
     # lazy mode would walk free_block_queue, which holds no cached block under the plugin.
     with pytest.raises(UnsupportedVllmError) as error:
         SimpleCPUOffloadScheduler(
-            VllmConfig(),
+            # A CPU device: vLLM 0.33 cannot infer one on a machine without a GPU.
+            VllmConfig(device_config=DeviceConfig(device="cpu")),
             kv_cache_config(16, BS),
             cpu_capacity_bytes=1 << 20,
             scheduler_block_size=BS,

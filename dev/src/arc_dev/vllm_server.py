@@ -119,7 +119,7 @@ class VllmServer:
         env: Mapping[str, str] | None = None,
         extra_args: Sequence[str] = (),
         log_path: str | Path | None = None,
-        startup_timeout_s: float = 300.0,
+        startup_timeout_s: float = 600.0,
         enforce_eager: bool = True,
         kvcache_space_gib: int = 1,
         api_key: str | _KeySentinel | None = GENERATE,
