@@ -250,7 +250,8 @@ def _scale(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
-        prog="arc-evictor", description="Prefix-cache eviction policies: simulate and generate."
+        prog="arc-evictor",
+        description="Prefix-cache eviction policies: simulate, generate, evaluate and scale.",
     )
     commands = parser.add_subparsers(dest="command", required=True)
 

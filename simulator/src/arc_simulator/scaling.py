@@ -58,7 +58,7 @@ from arc_simulator.simulate import build_policy
 TRACES = ("mooncake", "docqa", "conversation")
 CACHE_SIZES = ("per-replica", "total")
 RECOMMENDED_POLICY = "trio"
-# Smaller than the evaluation's traces, so that the default study stays near four minutes.
+# Smaller than the evaluation's traces, so that the default study stays short.
 DOCQA = DocQAParams(documents=100, document_tokens=2_000, questions_per_document=4.0)
 CONVERSATION = ConversationParams(sessions=100)
 
