@@ -30,11 +30,22 @@ SESSION_KEY = "header:x-session-id:"
 def demo_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
     out = tmp_path_factory.mktemp("demo-fleet")
     settings = fleet_demo.parse_args(
-        ["--out", str(out), "--sessions", "4", "--documents", "4", "--time-scale", "0.5",
-         "--port-base", str(PORT_BASE)]
+        ["--out", str(out), "--sessions", "4", "--documents", "4", "--port-base", str(PORT_BASE)]
     )  # fmt: skip
+    assert settings.time_scale is None  # paced to the measured replicas
     assert fleet_demo.run_demo(settings) == 0
     return out, json.loads((out / "fleet.json").read_text())
+
+
+def test_the_replay_is_paced_to_the_measured_replicas(
+    demo_run: tuple[Path, dict[str, Any]],
+) -> None:
+    _, report = demo_run
+    settings = report["settings"]
+    assert settings["time_scale"] > 0
+    # Half the replicas' measured capacity if nothing hit (arc_dev.pacing).
+    assert settings["utilization_per_replica"] == pytest.approx(0.5)
+    assert settings["cost_model"]["prefill_seconds_per_token"] > 0
 
 
 def test_every_routing_and_eviction_pair_is_measured_and_predicted(

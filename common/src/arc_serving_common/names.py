@@ -7,6 +7,8 @@ package registers a vLLM entry point the operator image must not carry).
 
 from __future__ import annotations
 
+import json
+
 # Lower-case eviction policy names, in the order the plugin's registry lists them.
 POLICY_NAMES: tuple[str, ...] = ("lru", "dbl", "arc", "s3fifo", "sieve", "trio")
 
@@ -22,3 +24,15 @@ METRIC_NAMES: tuple[str, ...] = (
     "arc_evictor_target_recency_blocks",
     "arc_evictor_policy_switches_total",
 )
+
+# The plugin's settings, read from the serving pod's environment (docs/architecture.md,
+# "Plugin settings"), and the variable vLLM reads its API key from when --api-key is absent.
+POLICY_ENV = "ARC_EVICTOR_POLICY"
+CONFIG_ENV = "ARC_EVICTOR_CONFIG"
+POLL_MS_ENV = "ARC_EVICTOR_POLL_MS"
+API_KEY_ENV = "VLLM_API_KEY"
+
+
+def policy_file_text(policy: str) -> str:
+    """The policy file's whole content (``CONFIG_ENV`` points at it): ``{"policy": NAME}``."""
+    return json.dumps({"policy": policy}) + "\n"

@@ -70,6 +70,7 @@ from arc_dev.prometheus import (
 from arc_dev.snapshot import snapshot
 from arc_dev.vllm_server import VllmServer
 from arc_evictor.policies import policy_names
+from arc_serving_common.names import CONFIG_ENV, POLL_MS_ENV, policy_file_text
 from arc_serving_common.traces import TraceRequest, load_trace
 from arc_simulator.generate import DocQAParams, docqa, write_generated
 from arc_simulator.simulate import CostModel, simulate
@@ -587,7 +588,7 @@ class ServerSession:
     def write_policy(self, name: str) -> None:
         """Replace the policy file atomically, so the plugin never reads half a file."""
         tmp = self.policy_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"policy": name}) + "\n")
+        tmp.write_text(policy_file_text(name))
         os.replace(tmp, self.policy_file)
 
     def prepare(self, name: str) -> None:
@@ -690,7 +691,7 @@ def demo_server(
     model_dir: Path, capacity_blocks: int, policy_file: Path, policy: str, log_path: Path
 ) -> VllmServer:
     """The demo's server (not started): the plugin reads ``policy_file``, written here."""
-    policy_file.write_text(json.dumps({"policy": policy}) + "\n")
+    policy_file.write_text(policy_file_text(policy))
     return _BackgroundServer(
         model_dir,
         block_size=BLOCK_TOKENS,
@@ -698,8 +699,8 @@ def demo_server(
         max_model_len=min(MAX_MODEL_LEN, capacity_blocks * BLOCK_TOKENS),
         served_model_name="arc-demo",
         env={
-            "ARC_EVICTOR_CONFIG": str(policy_file.resolve()),
-            "ARC_EVICTOR_POLL_MS": str(POLL_MS),
+            CONFIG_ENV: str(policy_file.resolve()),
+            POLL_MS_ENV: str(POLL_MS),
             "VLLM_SERVER_DEV_MODE": "1",  # serves POST /reset_prefix_cache
         },
         log_path=log_path,

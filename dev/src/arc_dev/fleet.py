@@ -76,6 +76,7 @@ from typing import Any
 
 from arc_dev.vllm_server import VllmServer
 from arc_evictor.policies import policy_names
+from arc_serving_common.names import CONFIG_ENV, POLL_MS_ENV, policy_file_text
 
 BLOCK_TOKENS = 32  # vLLM's CPU build needs a multiple of 32; the router gets the same
 ROUTER_POLICIES = (
@@ -212,8 +213,8 @@ class FleetServer(VllmServer):
             max_model_len=max_model_len,
             served_model_name=SERVED_MODEL,
             env={
-                "ARC_EVICTOR_CONFIG": str(self.policy_file.resolve()),
-                "ARC_EVICTOR_POLL_MS": str(POLL_MS),
+                CONFIG_ENV: str(self.policy_file.resolve()),
+                POLL_MS_ENV: str(POLL_MS),
                 "VLLM_SERVER_DEV_MODE": "1",  # serves POST /reset_prefix_cache
             },
             extra_args=[
@@ -274,7 +275,7 @@ class FleetServer(VllmServer):
 def write_policy_file(path: Path, policy: str) -> None:
     """Replace the plugin's policy file atomically, so it never reads half a file."""
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"policy": policy}) + "\n")
+    tmp.write_text(policy_file_text(policy))
     os.replace(tmp, path)
 
 

@@ -35,12 +35,12 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 
+from arc_serving_common.names import API_KEY_ENV
+
 # The CPU backend's paged attention works on blocks of a multiple of 32 tokens.
 CPU_BLOCK_MULTIPLE = 32
 # CPU flags of a native bfloat16 matrix multiply (AVX-512 BF16 or AMX).
 NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
-# vLLM reads its API key from this variable (vllm.envs) when --api-key is not given.
-API_KEY_ENV = "VLLM_API_KEY"
 
 
 class _KeySentinel(enum.Enum):
