@@ -24,6 +24,7 @@ import yaml
 from arc_dev.tinymodel import build_tiny_llama
 from arc_dev.vllm_server import VllmServer
 from arc_loadtest.run import ReplayRun, run_replay
+from tests.replay_budget import replay_run_time_s
 
 pytestmark = [pytest.mark.vllm, pytest.mark.locust, pytest.mark.slow]
 
@@ -199,7 +200,8 @@ def test_the_key_is_in_no_command_line_of_the_server_processes(server: VllmServe
 
 
 def replay(server: VllmServer, trace: Path, out: Path, **options: object) -> ReplayRun:
-    return run_replay(server.base_url, trace, out_dir=out, run_time_s=60,
+    return run_replay(server.base_url, trace, out_dir=out,
+                      run_time_s=replay_run_time_s(trace, block_tokens=BLOCK_TOKENS),
                       block_tokens=BLOCK_TOKENS, time_scale=1.0, **options)  # fmt: skip
 
 

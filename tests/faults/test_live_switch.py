@@ -1,7 +1,8 @@
-"""Switch the eviction policy live every few seconds during a Locust replay on the real vLLM.
+"""Switch the eviction policy live, again and again, during a Locust replay on the real vLLM.
 
-A thread rewrites the policy file (as a ConfigMap update does: a new file swapped in) every
-``SWITCH_EVERY_S`` seconds through every policy while the replay runs. Shown: no request
+A thread rewrites the policy file (as a ConfigMap update does: a new file swapped in) through
+every policy while the replay runs: switch n once the engine has applied the one before and
+answered n times ``ANSWERS_PER_SWITCH`` requests of the replay. Shown: no request
 fails, the engine applies every switch written (its log and the switch counter), and no
 resident block is lost at any switch (the plugin logs, per switch, the resident blocks
 before it and how many of them the new policy holds, and the blocks vLLM's own prefix-cache
@@ -17,7 +18,7 @@ import re
 import threading
 import time
 from collections.abc import Iterator
-from itertools import cycle
+from itertools import cycle, islice
 from pathlib import Path
 
 import pytest
@@ -30,14 +31,19 @@ from arc_loadtest.stream import completion_body
 from arc_loadtest.tokens import TokenMapper, vocabulary_from_tokenizer
 from arc_serving_common.traces import read_trace
 from tests.faults.serving import BLOCK_TOKENS, docqa_trace, metric_sum
+from tests.replay_budget import replay_run_time_s
 
 pytestmark = [pytest.mark.vllm, pytest.mark.locust, pytest.mark.slow]
 
-# 80 requests 0.5 s apart: a 40 s replay. Ten switches 3 s apart start with the first answer
-# and end about 10 s before the trace does, so the engine is busy (and polls the file) at
-# each one: a write cannot be coalesced with the next.
+# 80 requests 0.5 s apart: a 40 s replay. Ten switches spread over it by its answers, at
+# whatever speed the machine serves them: switch n is written after 6n answers, so the engine
+# is busy (and polls the file) at each one, and only once the one before was applied, so no
+# write is coalesced with the next. The last is written after 60 answers: the 20 left give
+# the engine time to apply it.
 TRACE_REQUESTS, SPACING_S = 80, 0.5
-SWITCHES, SWITCH_EVERY_S = 10, 3.0
+SWITCHES, ANSWERS_PER_SWITCH = 10, 6
+# A bound for a slow, busy machine on the engine's applying a switch while requests arrive.
+APPLY_TIMEOUT_S = 120.0
 FIRST_POLICY = "lru"
 CYCLE = ["arc", "s3fifo", "sieve", "dbl", "trio", "lru"]
 SWITCH_LINE = re.compile(
@@ -80,15 +86,22 @@ def write_policy(path: Path, policy: str) -> None:
 
 
 def switcher(server: VllmServer, path: Path, written: list[str], stop: threading.Event) -> None:
-    """From the first answer on, write the next policy every SWITCH_EVERY_S seconds."""
-    deadline = time.monotonic() + 120
-    while metric_sum(server, "vllm:request_success_total") < 1:
-        if stop.is_set() or time.monotonic() > deadline:
-            return
-        time.sleep(0.1)
-    for policy in cycle(CYCLE):
-        if len(written) == SWITCHES or stop.wait(SWITCH_EVERY_S):
-            return
+    """Write switch ``n`` (from 1) once the engine has answered ``n`` times ANSWERS_PER_SWITCH
+    requests of the replay and applied switch ``n - 1`` (its switch counter), SWITCHES
+    times; stop early when ``stop`` is set (the replay ended)."""
+    switched = metric_sum(server, "arc_evictor_policy_switches_total")
+    answered = metric_sum(server, "vllm:request_success_total")
+    for number, policy in enumerate(islice(cycle(CYCLE), SWITCHES), start=1):
+        deadline = time.monotonic() + APPLY_TIMEOUT_S
+        while metric_sum(server, "arc_evictor_policy_switches_total") < switched + len(written):
+            if stop.wait(0.1) or time.monotonic() > deadline:
+                return
+        while (
+            metric_sum(server, "vllm:request_success_total")
+            < answered + number * ANSWERS_PER_SWITCH
+        ):
+            if stop.wait(0.1):
+                return
         write_policy(path, policy)
         written.append(policy)
 
@@ -105,12 +118,13 @@ def test_live_switches_lose_no_request_and_no_block(
     )
     writer.start()
     try:
-        run = run_replay(server.base_url, trace, out_dir=tmp_path / "out", run_time_s=180,
+        run = run_replay(server.base_url, trace, out_dir=tmp_path / "out",
+                         run_time_s=replay_run_time_s(trace, block_tokens=BLOCK_TOKENS),
                          api_key=server.api_key, block_tokens=BLOCK_TOKENS,
                          tokenizer=model_dir)  # fmt: skip
     finally:
         stop.set()
-        writer.join(timeout=10)
+        writer.join(timeout=30)
 
     # Every request answered.
     assert run.exit_code == 0, run.log[-3000:]

@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from typing import Any
 
 import kmock
 import pytest
 
+from arc_operator import PLURAL
+from tests.faults.conftest import NO_TIMER_S
 from tests.operator.conftest import (
     CONFIGMAPS,
     DEPLOYMENTS,
@@ -40,9 +43,13 @@ CHILDREN = [
     (NETWORKPOLICIES, f"/apis/networking.k8s.io/v1/namespaces/{NAMESPACE}/networkpolicies", "demo"),
     (CONFIGMAPS, f"/api/v1/namespaces/{NAMESPACE}/configmaps", "demo-policy"),
 ]
-# The bound on a recreation: an event round trip and a few API calls on this machine take
-# well under a second; the timer (parked at an hour) would take 3600 s.
-RECREATE_BOUND_S = 5.0
+# The bound on a recreation: far below the parked timer's hour, so a child back within it
+# was recreated by the event handler, and far above an event round trip and a few API calls
+# on any machine.
+RECREATE_BOUND_S = NO_TIMER_S / 60
+# The bound on the other waits, for a slow, busy machine; each ends as soon as what it waits
+# for happens.
+WAIT_S = 60.0
 # Fields the API server (here the apply emulation in tests/operator/conftest.py) sets on each
 # created object; the rest must come back equal.
 SERVER_FIELDS = ("resourceVersion", "uid", "creationTimestamp", "generation")
@@ -143,16 +150,29 @@ async def test_children_of_a_policy_being_deleted_are_not_recreated(
             }
         },
     )
-    await asyncio.sleep(3.0)  # the index sees the mark through the watch, even on a busy machine
+    # The operator has handled the event of the mark: its owner index holds it.
+    await eventually(
+        lambda: any(
+            e.body["metadata"].get("deletionTimestamp")
+            for e in slow_timer_operator.events(PLURAL, "demo")
+        ),
+        timeout=RECREATE_BOUND_S,
+    )
     applies = len(operator_applies(cluster, DEPLOYMENTS))
     response = await cluster.delete(f"{CHILDREN[0][1]}/demo")
     assert response.status == 200, await response.text()
-    await asyncio.sleep(2.0)
+    # The operator has handled the child's deletion (its repair handler ran and returned).
+    await eventually(
+        lambda: any(e.type == "DELETED" for e in slow_timer_operator.events("deployments", "demo")),
+        timeout=RECREATE_BOUND_S,
+    )
     assert stored(cluster, DEPLOYMENTS, "demo") is None
     assert len(operator_applies(cluster, DEPLOYMENTS)) == applies
 
 
-async def test_operator_restart_mid_update_converges_without_duplicates(cluster, operator) -> None:
+async def test_operator_restart_mid_update_converges_without_duplicates(
+    cluster, operator, caplog: pytest.LogCaptureFixture
+) -> None:
     await create_sp(cluster, "demo", make_spec(policy="LRU", replicas=1, switchMode="Hot"))
     await wait_for_children(cluster)
     lru = stored(cluster, CONFIGMAPS, "demo-policy")
@@ -186,15 +206,19 @@ async def test_operator_restart_mid_update_converges_without_duplicates(cluster,
             "spec": {"policy": "ARC", "replicas": 3, "routing": {"policy": "none"}},
         },
     )
-    await asyncio.wait_for(held.wait(), 10)
+    await asyncio.wait_for(held.wait(), WAIT_S)
     # Half applied: the Deployment has the new replicas, the ConfigMap still the old policy.
     assert stored(cluster, DEPLOYMENTS, "demo")["spec"]["replicas"] == 3
     assert json.loads(stored(cluster, CONFIGMAPS, "demo-policy")["data"]["policy.json"]) == {
         "policy": "lru"
     }
-    # Stop the operator while its write hangs; answer the write a second into the stop.
+    # Stop the operator while its write hangs; answer the write once kopf says it stops.
+    caplog.set_level(logging.INFO, logger="kopf")
     stopping = asyncio.create_task(operator.stop())
-    await asyncio.sleep(1.0)
+    await eventually(
+        lambda: any("Operator is stopping" in r.getMessage() for r in caplog.records),
+        timeout=WAIT_S,
+    )
     answer.set()
     await stopping
     stopped.set()
@@ -206,8 +230,7 @@ async def test_operator_restart_mid_update_converges_without_duplicates(cluster,
         lambda: (
             json.loads(stored(cluster, CONFIGMAPS, "demo-policy")["data"]["policy.json"])
             == {"policy": "arc"}
-        ),
-        timeout=30,
+        )
     )
     await eventually(lambda: status_of(cluster, "demo").get("observedGeneration") == 2)
     assert stored(cluster, DEPLOYMENTS, "demo")["spec"]["replicas"] == 3

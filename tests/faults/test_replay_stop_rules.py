@@ -17,6 +17,7 @@ import pytest
 from arc_loadtest.replay import ReplaySettings
 from arc_loadtest.report import format_summary, summarize
 from arc_loadtest.run import run_replay
+from tests.replay_budget import replay_run_time_s
 
 GATEWAY_TRACE_REQUESTS = 60
 
@@ -81,7 +82,8 @@ def test_gateway_errors_stop_the_replay_early_like_a_lost_connection(
         json.dumps({"timestamp": 50 * i, "input_length": 16, "output_length": 2, "hash_ids": [i]})
         + "\n" for i in range(GATEWAY_TRACE_REQUESTS)
     ))  # fmt: skip
-    run = run_replay(gateway, trace, out_dir=tmp_path / "out", run_time_s=120, block_tokens=16,
+    run = run_replay(gateway, trace, out_dir=tmp_path / "out", block_tokens=16,
+                     run_time_s=replay_run_time_s(trace, block_tokens=16),
                      model="m", tokenizer=tmp_path)  # fmt: skip
     assert run.exit_code == 1, run.log[-3000:]
     summary = run.summary

@@ -6,6 +6,7 @@ kill, not at the end of the trace (two minutes of trace are left when the server
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -19,15 +20,15 @@ from arc_dev.tinymodel import build_tiny_llama
 from arc_dev.vllm_server import VllmServer
 from arc_loadtest.run import ReplayRun, run_replay
 from tests.faults.serving import BLOCK_TOKENS, docqa_trace, metric_sum
+from tests.replay_budget import replay_run_time_s
 
 pytestmark = [pytest.mark.vllm, pytest.mark.locust, pytest.mark.slow]
 
-# The trace runs 120 s; the kill comes after a handful of answers (about 5 s in).
+# The trace runs 120 s; the kill comes after a handful of answers (about 5 s in). From the
+# kill the load test needs 10 unanswered requests (5 s of trace) and its summary to exit: it
+# must exit before the trace's end, which is 110 s of trace later.
 TRACE_REQUESTS, SPACING_S = 240, 0.5
 ANSWERS_BEFORE_KILL = 5
-# From the kill to the load test's exit: 10 unanswered requests (5 s of trace) and the
-# summary; far below the 110 s of trace left.
-EXIT_BOUND_S = 60.0
 MAX_UNREACHABLE = 10
 
 
@@ -60,24 +61,34 @@ def test_killed_server_fails_the_replay_promptly(
 
     def replay_trace() -> None:
         outcome.append(
-            run_replay(server.base_url, trace, out_dir=tmp_path / "out", run_time_s=300,
+            run_replay(server.base_url, trace, out_dir=tmp_path / "out", run_time_s=run_time_s,
                        api_key=server.api_key, block_tokens=BLOCK_TOKENS, tokenizer=model_dir)
         )  # fmt: skip
 
+    run_time_s = replay_run_time_s(trace, block_tokens=BLOCK_TOKENS)
     replay = threading.Thread(target=replay_trace, daemon=True)
     replay.start()
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + run_time_s
     while metric_sum(server, "vllm:request_success_total") < ANSWERS_BEFORE_KILL:
         assert replay.is_alive() and time.monotonic() < deadline, "the replay never got going"
         time.sleep(0.2)
     kill_process_group(server)
-    killed = time.monotonic()
+    killed = time.time()
 
-    replay.join(timeout=EXIT_BOUND_S + 30)
-    exited = time.monotonic() - killed
+    # A load test that missed the kill would run to the trace's end: wait that long, and a
+    # minute for its summary.
+    replay.join(timeout=TRACE_REQUESTS * SPACING_S + 60)
+    exited = time.time() - killed
     assert not replay.is_alive(), f"the load test still runs {exited:.0f} s after the kill"
     (run,) = outcome
-    assert exited < EXIT_BOUND_S, f"exit took {exited:.1f} s after the kill"
+    # Promptly: before the trace's last request was due. Its first request went out no
+    # earlier than it was due, so the trace ends no earlier than this.
+    rows = [json.loads(line) for line in run.results.read_text().splitlines()]
+    trace_end = min(row["sent_wall"] for row in rows) + (TRACE_REQUESTS - 1) * SPACING_S
+    assert killed + exited < trace_end, (
+        f"exit {exited:.1f} s after the kill, {killed + exited - trace_end:.1f} s after the "
+        "trace's end"
+    )
     assert run.exit_code == 1, run.log[-3000:]
     summary = run.summary
     assert summary is not None, run.log[-3000:]

@@ -21,6 +21,7 @@ from arc_dev.fleet import BLOCK_TOKENS, Fleet, FleetRouter
 from arc_loadtest.run import ReplayRun, run_replay
 from arc_serving_common.traces import write_trace
 from arc_simulator.generate import DocQAParams, docqa, to_records
+from tests.replay_budget import replay_run_time_s
 
 # The tiny model's ids 0..3 are special tokens; ordinary words run up to its vocabulary size.
 FIRST_WORD_ID, VOCABULARY = 4, 1024
@@ -84,12 +85,14 @@ class BackgroundReplay:
 
     def __init__(self, fleet: Fleet, trace: Path, out_dir: Path, model_dir: Path) -> None:
         self.run: ReplayRun | None = None
+        # The replay's own bound, derived from the trace (it ends with its last answer).
+        self.run_time_s = replay_run_time_s(trace, block_tokens=BLOCK_TOKENS)
         self._thread = threading.Thread(
             target=self._replay, args=(fleet, trace, out_dir, model_dir), daemon=True
         )
 
     def _replay(self, fleet: Fleet, trace: Path, out_dir: Path, model_dir: Path) -> None:
-        self.run = run_replay(fleet.router.url, trace, out_dir=out_dir, run_time_s=300,
+        self.run = run_replay(fleet.router.url, trace, out_dir=out_dir, run_time_s=self.run_time_s,
                               api_key=fleet.api_key, block_tokens=BLOCK_TOKENS,
                               tokenizer=model_dir)  # fmt: skip
 
@@ -101,7 +104,9 @@ class BackgroundReplay:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
-    def join(self, timeout_s: float) -> ReplayRun:
+    def join(self) -> ReplayRun:
+        """The replay's result, once it has ended (within its run-time and a minute)."""
+        timeout_s = self.run_time_s + 60
         self._thread.join(timeout=timeout_s)
         assert not self._thread.is_alive(), f"the replay still runs after {timeout_s:.0f} s"
         assert self.run is not None, "the replay thread ended without a result"
@@ -121,8 +126,18 @@ class ReplayedStore:
     token_ids: tuple[int, ...]
 
 
-def replayed_stores(port: int, *, timeout_s: float = 10.0) -> list[ReplayedStore]:
-    """Every ``BlockStored`` event that a vLLM server's replay endpoint sends from seq 0.
+def replayed_stores(port: int, *, timeout_s: float = 60.0) -> list[ReplayedStore]:
+    """Every ``BlockStored`` event that a vLLM server's replay endpoint sends from seq 0."""
+    return [
+        ReplayedStore(seq, tuple(event["token_ids"]))
+        for seq, event in replayed_events(port, timeout_s=timeout_s)
+        if event.get("type") == "BlockStored"
+    ]
+
+
+def replayed_events(port: int, *, timeout_s: float = 60.0) -> list[tuple[int, dict[str, Any]]]:
+    """Every event (with its batch's sequence number) that a vLLM server's replay endpoint
+    sends from seq 0: what its publisher has sent so far, in order.
 
     Speaks vLLM's replay protocol (``ZmqEventPublisher._service_replay``): a DEALER sends an
     empty frame and the start sequence number (8 bytes, big-endian); the publisher answers
@@ -135,7 +150,7 @@ def replayed_stores(port: int, *, timeout_s: float = 10.0) -> list[ReplayedStore
     try:
         dealer.connect(f"tcp://127.0.0.1:{port}")
         dealer.send_multipart([b"", (0).to_bytes(8, "big")])
-        stores: list[ReplayedStore] = []
+        found: list[tuple[int, dict[str, Any]]] = []
         while True:
             try:
                 frames = dealer.recv_multipart()
@@ -145,14 +160,10 @@ def replayed_stores(port: int, *, timeout_s: float = 10.0) -> list[ReplayedStore
                 ) from error
             seq = int.from_bytes(frames[-2], "big", signed=True)
             if seq == END_SEQ:
-                return stores
+                return found
             # EventBatch is an array [ts, events, dp_rank]; each event a tagged map.
             _, events, *_ = msgspec.msgpack.decode(frames[-1])
-            stores += [
-                ReplayedStore(seq, tuple(event["token_ids"]))
-                for event in events
-                if isinstance(event, dict) and event.get("type") == "BlockStored"
-            ]
+            found += [(seq, event) for event in events if isinstance(event, dict)]
     finally:
         dealer.close()
 

@@ -23,19 +23,20 @@ restarts the router) before a test that needs the whole fleet, and empties every
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from arc_dev.fleet import Fleet, FleetRouter
+from arc_dev.fleet import BLOCK_TOKENS, Fleet, FleetRouter, FleetServer
 from arc_loadtest.run import ReplayRun
 from tests.fleet.faults_fleet import (
     BackgroundReplay,
     docqa_trace,
     prompt,
+    replayed_events,
     replayed_stores,
     result_rows,
     router_total,
@@ -55,11 +56,11 @@ A, B = 0, 1  # server indexes
 LOOKUPS = "vllm_router_kv_placement_lookups_total"
 RUNNING = "vllm_router_running_requests"
 PRIMED_BLOCKS = 4
-# Time for a stored block's event to reach the router (ZMQ on 127.0.0.1 takes milliseconds;
-# the router polls its SUB socket every 10 ms).
-EVENT_SETTLE_S = 1.0
-COUNTER_SETTLE_S = 5.0
-REPLAY_TIMEOUT_S = 300.0
+# Bounds for a slow, busy machine; every wait returns as soon as what it waits for is seen.
+# A server's events: seen in its publisher's replay buffer, which holds what it has sent.
+EVENT_TIMEOUT_S = 60.0
+# A request's count: vLLM counts it just after it answers.
+COUNTER_TIMEOUT_S = 60.0
 
 
 @pytest.fixture(scope="module")
@@ -80,9 +81,22 @@ def ready_fleet(fleet: Fleet) -> Fleet:
         server.start()
     if restarted or not fleet.router.running or fleet.router.policy != "kv_aware":
         fleet.router.restart("kv_aware")
-    fleet.reset_caches()  # vLLM publishes AllBlocksCleared: the router's view empties too
-    time.sleep(EVENT_SETTLE_S)
+    # Each server queues AllBlocksCleared and publishes it with its next engine step, ahead
+    # of that step's own events: the router's view of a server empties before it learns
+    # anything new of it. The tests send fresh prompts, which no stale entry can match.
+    fleet.reset_caches()
     return fleet
+
+
+def wait_for_event(
+    server: FleetServer, wanted: Callable[[dict[str, Any]], bool], what: str
+) -> None:
+    """Wait until a server's publisher has sent an event that ``wanted`` accepts: the router,
+    which reads the same stream (polling its socket every 10 ms), gets it at the same time."""
+    deadline = time.monotonic() + EVENT_TIMEOUT_S
+    while not any(wanted(event) for _, event in replayed_events(server.kv_replay_port)):
+        assert time.monotonic() < deadline, f"server {server.index} published no {what}"
+        time.sleep(0.1)
 
 
 def lookups(router: FleetRouter) -> dict[str, float]:
@@ -95,7 +109,7 @@ def routed(fleet: Fleet, tokens: list[int], router: FleetRouter | None = None) -
     router = router or fleet.router
     requests_before, hits_before = worker_requests(fleet), lookups(router)
     fleet.complete(tokens, url=router.url)
-    deadline = time.monotonic() + COUNTER_SETTLE_S
+    deadline = time.monotonic() + COUNTER_TIMEOUT_S
     while True:  # vLLM counts a request just after it answers
         served = [after - before for before, after in
                   zip(requests_before, worker_requests(fleet), strict=True)]  # fmt: skip
@@ -114,7 +128,16 @@ def prime(fleet: Fleet, index: int, seed: int) -> list[int]:
     """Cache a fresh prefix on server ``index`` (sent to it directly, past the router)."""
     tokens = prompt(seed, PRIMED_BLOCKS)
     fleet.complete(tokens, url=fleet.servers[index].url)
-    time.sleep(EVENT_SETTLE_S)
+    last = tuple(tokens[(PRIMED_BLOCKS - 1) * BLOCK_TOKENS : PRIMED_BLOCKS * BLOCK_TOKENS])
+
+    def stores_last_block(event: dict[str, Any]) -> bool:
+        stored = event.get("token_ids") or []
+        return event["type"] == "BlockStored" and any(
+            tuple(stored[at : at + BLOCK_TOKENS]) == last
+            for at in range(0, len(stored), BLOCK_TOKENS)
+        )
+
+    wait_for_event(fleet.servers[index], stores_last_block, "BlockStored of the primed prefix")
     return tokens
 
 
@@ -148,12 +171,18 @@ def test_router_restart_fails_only_requests_that_met_it_down(
     ready_fleet: Fleet, fleet_model_dir: Path, tmp_path: Path
 ) -> None:
     fleet = ready_fleet
-    # 4 requests every 3 s: a restart shorter than 7 s leaves fewer than the 10 unanswered
-    # requests in a row after which the load test gives up (--max-unreachable).
-    trace = docqa_trace(tmp_path / "trace.jsonl", requests=32, spacing_s=0.75, output_tokens=8)
+    # The load is sized from a restart timed on this machine: requests at least a quarter of
+    # it apart (and no more than 4 every 3 s), so that a restart up to twice as slow leaves
+    # fewer than the 10 unanswered requests in a row after which the load test gives up
+    # (--max-unreachable).
+    began = time.monotonic()
+    fleet.router.restart()
+    spacing_s = max(0.75, (time.monotonic() - began) / 4)
+    trace = docqa_trace(tmp_path / "trace.jsonl", requests=32, spacing_s=spacing_s,
+                        output_tokens=8)  # fmt: skip
     before = sum(worker_requests(fleet))
     replay = BackgroundReplay(fleet, trace, tmp_path / "out", fleet_model_dir).start()
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + replay.run_time_s
     while sum(worker_requests(fleet)) - before < 8:
         assert replay.alive and time.monotonic() < deadline, "the replay never got going"
         time.sleep(0.2)
@@ -162,7 +191,7 @@ def test_router_restart_fails_only_requests_that_met_it_down(
     stopped = time.time()
     fleet.router.start()
     back = time.time()  # it answers /health again
-    run = replay.join(REPLAY_TIMEOUT_S)
+    run = replay.join()
 
     summary = run.summary
     assert summary is not None, run.log[-3000:]
@@ -236,7 +265,7 @@ def test_silent_event_stream_degrades_to_load_balancing(ready_fleet: Fleet, tmp_
             list(pool.map(lambda seed: fleet.complete(prompt(seed, 2), max_tokens=16,
                                                       url=router.url),
                           range(300, 316)))  # fmt: skip
-        deadline = time.monotonic() + COUNTER_SETTLE_S
+        deadline = time.monotonic() + COUNTER_TIMEOUT_S
         while True:  # vLLM counts a request just after it answers
             spread = [after - start for start, after in zip(before, worker_requests(fleet),
                                                              strict=True)]  # fmt: skip
@@ -263,7 +292,7 @@ def test_killed_replica_fails_only_its_in_flight_streams(
                         output_tokens=48, seed=1)  # fmt: skip
     answered = sum(worker_requests(fleet))
     replay = BackgroundReplay(fleet, trace, tmp_path / "out", fleet_model_dir).start()
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + replay.run_time_s
     while sum(worker_requests(fleet)) - answered < 10:
         assert replay.alive and time.monotonic() < deadline, "the replay never got going"
         time.sleep(0.2)
@@ -281,7 +310,7 @@ def test_killed_replica_fails_only_its_in_flight_streams(
     kill_began = time.time()
     victim.kill()
     killed = time.time()  # the group is dead and reaped
-    run = replay.join(REPLAY_TIMEOUT_S)
+    run = replay.join()
 
     summary = run.summary
     assert summary is not None, run.log[-3000:]

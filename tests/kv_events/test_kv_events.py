@@ -76,6 +76,9 @@ PLAN = (
 PHASES = [plan.name for plan in PLAN]
 # One request per step: each request's hits are predicted from the events before its batch.
 SEQUENTIAL = [plan.name for plan in PLAN if not plan.concurrent]
+# A bound for a slow, busy machine on each wait below; every wait ends as soon as what it
+# waits for is seen.
+WAIT_S = 120.0
 CONCURRENCY = 4
 DOCUMENTS, DOCUMENT_BLOCKS = 6, 3
 REQUESTS_PER_PHASE = 30
@@ -192,7 +195,7 @@ def stores_question(message: Received, question: tuple[int, ...]) -> bool:
     )
 
 
-def switch_line(server: VllmServer, new: str, timeout_s: float = 15.0) -> dict[str, str]:
+def switch_line(server: VllmServer, new: str, timeout_s: float = WAIT_S) -> dict[str, str]:
     """The fields of the server log's switch line to policy ``new``."""
     assert server.log_path is not None
     deadline = time.monotonic() + timeout_s
@@ -229,11 +232,12 @@ def run_phase(
         lambda messages: all(
             any(stores_question(m, s.question) for m in messages[phase.first_message :])
             for s in phase.sent
-        )
+        ),
+        timeout_s=WAIT_S,
     )
     # The plugin publishes a step's counts at the next step; vLLM runs one after the last
     # request finishes. The query count (full prompt blocks) shows that step has run.
-    deadline = time.monotonic() + 15
+    deadline = time.monotonic() + WAIT_S
     while (
         metric_sum(server, "arc_evictor_block_queries_total") < queries_before + full_blocks
         and time.monotonic() < deadline

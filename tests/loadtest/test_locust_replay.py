@@ -17,6 +17,7 @@ from arc_loadtest.replay import ServerClient
 from arc_loadtest.report import CacheCounters, parse_counters
 from arc_loadtest.run import ReplayRun, run_replay
 from arc_loadtest.tokens import vocabulary_from_server, vocabulary_from_tokenizer
+from tests.replay_budget import replay_run_time_s
 
 pytestmark = [pytest.mark.vllm, pytest.mark.locust, pytest.mark.slow]
 
@@ -36,8 +37,14 @@ def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
 
 
 def replay(server: VllmServer, trace: Path, **options: Any) -> ReplayRun:
-    """``run_replay`` against ``server``, with its API key."""
-    return run_replay(server.base_url, trace, api_key=server.api_key, **options)
+    """``run_replay`` of ``trace`` in BLOCK_TOKENS-token blocks against ``server``, with its
+    API key and, unless given, a run-time derived from the trace."""
+    if "run_time_s" not in options:
+        options["run_time_s"] = replay_run_time_s(
+            trace, time_scale=options.get("time_scale", 1.0), block_tokens=BLOCK_TOKENS
+        )
+    return run_replay(server.base_url, trace, api_key=server.api_key, block_tokens=BLOCK_TOKENS,
+                      **options)  # fmt: skip
 
 
 def counters(server: VllmServer) -> CacheCounters:
@@ -56,8 +63,7 @@ def test_replay_answers_every_request_as_the_trace_says(
     records = conversation_records(sessions=3, turns=3, block_tokens=BLOCK_TOKENS)
     trace = write_lines(tmp_path / "conversation.jsonl", records)
     before = counters(server)
-    run = replay(server, trace, out_dir=tmp_path / "out", run_time_s=120,
-                 block_tokens=BLOCK_TOKENS, time_scale=0.5, tokenizer=model_dir)  # fmt: skip
+    run = replay(server, trace, out_dir=tmp_path / "out", time_scale=0.5, tokenizer=model_dir)
     after = counters(server)
     assert run.exit_code == 0, run.log[-3000:]
     rows = {r["index"]: r for r in read_rows(run.results)}
@@ -86,8 +92,7 @@ def test_session_turns_are_sent_after_the_previous_answer(
     # Turns 0.01 s apart in the trace: far less than an answer takes, so turns are held.
     records = conversation_records(sessions=2, turns=3, spacing_s=0.01)
     trace = write_lines(tmp_path / "fast.jsonl", records)
-    run = replay(server, trace, out_dir=tmp_path / "out", run_time_s=120,
-                 block_tokens=BLOCK_TOKENS, tokenizer=model_dir)  # fmt: skip
+    run = replay(server, trace, out_dir=tmp_path / "out", tokenizer=model_dir)
     assert run.exit_code == 0, run.log[-3000:]
     rows = {r["index"]: r for r in read_rows(run.results)}
     chat_to_index = {record["chat_id"]: i for i, record in enumerate(records)}
@@ -104,8 +109,7 @@ def test_master_and_two_workers_replay_each_request_once(
 ) -> None:
     records = conversation_records(sessions=4, turns=2, block_tokens=BLOCK_TOKENS)
     trace = write_lines(tmp_path / "conversation.jsonl", records)
-    run = replay(server, trace, out_dir=tmp_path / "out", run_time_s=120,
-                 block_tokens=BLOCK_TOKENS, time_scale=0.5, workers=2)  # fmt: skip
+    run = replay(server, trace, out_dir=tmp_path / "out", time_scale=0.5, workers=2)
     assert run.exit_code == 0, run.log[-3000:]
     rows = read_rows(run.results)
     assert sorted(r["index"] for r in rows) == list(range(len(records)))
@@ -126,8 +130,8 @@ def test_malformed_trace_stops_the_run_before_any_request(
     trace = tmp_path / "broken.jsonl"
     trace.write_text("\n".join(lines) + "\n")
     before = counters(server)
-    run = replay(server, trace, out_dir=tmp_path / "out", run_time_s=60,
-                 block_tokens=BLOCK_TOKENS)  # fmt: skip
+    # Malformed: no run-time can be derived from it; the replay stops before any request.
+    run = replay(server, trace, out_dir=tmp_path / "out", run_time_s=60)
     assert run.exit_code == 2
     assert f"{trace}:2: missing field 'input_length'" in run.log
     assert run.summary is None and not run.results.exists()
@@ -156,8 +160,7 @@ def test_a_failed_request_makes_the_exit_code_non_zero(
         {"timestamp": 10, "input_length": 2240, "output_length": 2, "hash_ids": list(range(70))},
     ]
     trace = write_lines(tmp_path / "too_long.jsonl", records)
-    run = replay(server, trace, out_dir=tmp_path / "out", run_time_s=60,
-                 block_tokens=BLOCK_TOKENS, time_scale=0.01, tokenizer=model_dir)  # fmt: skip
+    run = replay(server, trace, out_dir=tmp_path / "out", time_scale=0.01, tokenizer=model_dir)
     assert run.exit_code == 1, run.log[-3000:]
     rows = {r["index"]: r for r in read_rows(run.results)}
     assert rows[0]["ok"] and not rows[1]["ok"]

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import gevent
+import gevent.event
 import pytest
 from conftest import conversation_records, write_lines
 
@@ -95,25 +97,28 @@ def test_partition_rejects_a_part_out_of_range() -> None:
         partition([], 2, 2)
 
 
-def run(plan: list[PlannedRequest], service_s: float) -> list[tuple[str, int, float]]:
-    """Dispatch with a send that takes ``service_s``; returns (event, index, time) in order."""
-    events: list[tuple[str, int, float]] = []
-
-    def send(planned: PlannedRequest, timing: DispatchTiming) -> None:
-        events.append(("sent", planned.request.index, timing.sent_s))
-        gevent.sleep(service_s)
-        events.append(("done", planned.request.index, 0.0))
-
-    dispatcher = Dispatcher(plan, send)
-    dispatcher.start()
-    assert dispatcher.join(timeout=10), "dispatcher did not finish"
-    return events
+# A bound for a slow, busy machine; every wait ends as soon as what it waits for happens.
+WAIT_S = 60.0
 
 
 def test_open_loop_sends_without_waiting_for_earlier_answers() -> None:
     plan = plan_replay([make_request(i, i * 0.02) for i in range(4)], 1.0)
-    events = run(plan, service_s=0.3)
-    kinds = [kind for kind, _, _ in events]
+    events: list[tuple[str, int]] = []
+    all_sent = gevent.event.Event()
+
+    def send(planned: PlannedRequest, timing: DispatchTiming) -> None:
+        events.append(("sent", planned.request.index))
+        if len(events) == len(plan):
+            all_sent.set()
+        # No answer before every request went out: a dispatcher that waited for answers
+        # would send the second only when this wait ran out.
+        all_sent.wait(timeout=WAIT_S)
+        events.append(("done", planned.request.index))
+
+    dispatcher = Dispatcher(plan, send)
+    dispatcher.start()
+    assert dispatcher.join(timeout=4 * WAIT_S), "dispatcher did not finish"
+    kinds = [kind for kind, _ in events]
     assert kinds == ["sent"] * 4 + ["done"] * 4  # all four in flight before any answer
 
 
@@ -121,17 +126,29 @@ def test_session_turn_waits_for_its_parent_to_finish() -> None:
     requests = [make_request(0, 0.0, 1), make_request(1, 0.01, 2, parent_id=1),
                 make_request(2, 0.02, 3)]  # fmt: skip
     timings: dict[int, DispatchTiming] = {}
+    events: list[tuple[str, int]] = []
+    other_sent = gevent.event.Event()
 
     def send(planned: PlannedRequest, timing: DispatchTiming) -> None:
-        timings[planned.request.index] = timing
-        gevent.sleep(0.2)
+        index = planned.request.index
+        timings[index] = timing
+        events.append(("sent", index))
+        if index == 2:
+            other_sent.set()
+        if index == 0:
+            # Turn 1's answer takes 0.2 s, and comes only after the other session's request
+            # went out (or the wait ran out, if it was held).
+            other_sent.wait(timeout=WAIT_S)
+            gevent.sleep(0.2)
+        events.append(("done", index))
 
     dispatcher = Dispatcher(plan_replay(requests, 1.0), send)
     dispatcher.start()
-    assert dispatcher.join(timeout=10)
-    assert timings[1].sent_s >= timings[0].sent_s + 0.2  # after turn 1's answer
+    assert dispatcher.join(timeout=2 * WAIT_S)
+    assert events.index(("sent", 1)) > events.index(("done", 0))  # after turn 1's answer
+    assert timings[1].sent_s >= timings[0].sent_s + 0.2
     assert timings[1].held_s > 0.1  # and the wait is reported as hold, not as lag
-    assert timings[2].sent_s < timings[0].sent_s + 0.2  # the other session is not held
+    assert events.index(("sent", 2)) < events.index(("done", 0))  # the other session is not held
 
 
 def test_stop_abandons_the_rest_of_the_schedule() -> None:
@@ -139,7 +156,11 @@ def test_stop_abandons_the_rest_of_the_schedule() -> None:
     plan = plan_replay([make_request(0, 0.0), make_request(1, 30.0)], 1.0)
     dispatcher = Dispatcher(plan, lambda p, t: sent.append(p.request.index))
     dispatcher.start()
-    gevent.sleep(0.05)
+    deadline = time.monotonic() + WAIT_S
+    while not sent:
+        assert time.monotonic() < deadline, "the first request was not sent"
+        gevent.sleep(0.01)
     dispatcher.stop()
-    gevent.sleep(0.05)
+    # The dispatcher has finished: nothing more can be sent.
+    assert dispatcher.join(timeout=WAIT_S)
     assert sent == [0] and dispatcher.sent == 1

@@ -10,6 +10,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 from arc_operator import GROUP, KIND, PLURAL, VERSION
-from arc_operator.handlers import register
+from arc_operator.handlers import CHILD_KINDS, POD_KIND, SERVING_POD_LABELS, register
 from arc_operator.metrics import POLICY_INFO
 from arc_operator.models import OperatorConfig
 
@@ -246,11 +247,28 @@ async def _refuse_failed_patch_tests(
     return await _render_error(self, exc)
 
 
+@dataclass(frozen=True, slots=True)
+class HandledEvent:
+    """A watch event the operator has finished handling (see ``RunningOperator.handled``)."""
+
+    plural: str
+    type: str | None  # ADDED, MODIFIED, DELETED; None for an object of the initial listing
+    name: str
+    body: dict[str, Any]
+
+
 class RunningOperator:
     """The real kopf operator with arc-serving's handlers, in its own thread and loop.
 
     kopf owns its event loop (at exit it cancels every task left in it), so it cannot
     share the test's loop, where kmock and the /metrics server run.
+
+    ``handled`` lists every watch event of the kinds the operator watches (ServingPolicies,
+    its children, the serving pods) once the operator has handled it: for each event kopf
+    updates its indexes, then runs the event's ``on.event`` handlers one after another in
+    the order they were registered, and a recording handler is registered after
+    arc-serving's. A test that must show that an event changed nothing waits for the event
+    here instead of sleeping.
     """
 
     def __init__(self, config: OperatorConfig) -> None:
@@ -259,11 +277,31 @@ class RunningOperator:
         self._stop = threading.Event()
         # The operator-wide memo of the current run (handlers keep their Runtime in it).
         self.memo = kopf.Memo()
+        self.handled: list[HandledEvent] = []
 
     def _run(self, ready: threading.Event) -> None:
         registry = kopf.OperatorRegistry()
         register(registry, self.config)
+        self._record_events(registry)
         asyncio.run(self._operate(registry, ready))
+
+    def _record_events(self, registry: kopf.OperatorRegistry) -> None:
+        # The operator's settings give each of these watches its server-side selector.
+        kinds = [(GROUP, VERSION, PLURAL, None), *[(*kind, None) for kind in CHILD_KINDS],
+                 (*POD_KIND, SERVING_POD_LABELS)]  # fmt: skip
+        for group, version, plural, labels in kinds:
+
+            @kopf.on.event(group, version, plural, id=f"test_record_{plural}", labels=labels,
+                           registry=registry)  # fmt: skip
+            async def record(
+                event: kopf.RawEvent, body: kopf.Body, _plural: str = plural, **_: Any
+            ) -> None:
+                self.handled.append(HandledEvent(_plural, event["type"], body["metadata"]["name"],
+                                                 copy.deepcopy(dict(body))))  # fmt: skip
+
+    def events(self, plural: str, name: str) -> list[HandledEvent]:
+        """The handled events of object ``name`` of ``plural``, oldest first."""
+        return [e for e in list(self.handled) if e.plural == plural and e.name == name]
 
     async def _operate(self, registry: kopf.OperatorRegistry, ready: threading.Event) -> None:
         try:
@@ -291,13 +329,13 @@ class RunningOperator:
         ready = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(ready,), daemon=True)
         self._thread.start()
-        assert await asyncio.to_thread(ready.wait, 10), "kopf did not start within 10 s"
+        assert await asyncio.to_thread(ready.wait, 60), "kopf did not start within 60 s"
 
     async def stop(self) -> None:
         if self._thread is not None:
             self._stop.set()
-            await asyncio.to_thread(self._thread.join, 15)
-            assert not self._thread.is_alive(), "kopf did not stop within 15 s"
+            await asyncio.to_thread(self._thread.join, 60)
+            assert not self._thread.is_alive(), "kopf did not stop within 60 s"
             self._thread = None
 
 
@@ -319,8 +357,9 @@ async def operator(cluster, pod_metrics: PodMetricsServer) -> AsyncIterator[Runn
     await running.stop()
 
 
-async def eventually(check: Callable[[], Any], timeout: float = 10.0) -> Any:
-    """Poll ``check`` until it returns a truthy value; fail after ``timeout`` seconds."""
+async def eventually(check: Callable[[], Any], timeout: float = 60.0) -> Any:
+    """Poll ``check`` until it returns a truthy value; fail after ``timeout`` seconds (a
+    bound for a slow, busy machine: the poll returns as soon as the check holds)."""
     deadline = time.monotonic() + timeout
     last_error: Exception | None = None
     while time.monotonic() < deadline:

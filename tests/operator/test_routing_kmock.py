@@ -7,7 +7,6 @@ rollout status; the operator does the rest (docs/architecture.md, "Routing").
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -31,7 +30,6 @@ from tests.operator.conftest import (
     SERVICEACCOUNTS,
     SERVICES,
     SERVING_PEERS,
-    STATUS_INTERVAL_S,
     PodMetricsServer,
     RunningOperator,
     condition,
@@ -40,6 +38,7 @@ from tests.operator.conftest import (
     edit_spec,
     eventually,
     make_spec,
+    operator_applies,
     operator_deletes,
     status_of,
     stored,
@@ -206,7 +205,14 @@ async def test_a_pod_event_that_leaves_the_ready_set_alone_applies_nothing(
     # A pod starting up (not ready yet) and an annotation change leave the workers alone.
     await create_pod(cluster, "demo", "demo-b", "127.0.0.3", ready=False)
     await merge_patch(cluster, f"{PODS_PATH}/demo-a", {"metadata": {"annotations": {"x": "y"}}})
-    await asyncio.sleep(1.0)
+    # The operator has handled both events: the new pod's and the annotation's.
+    await eventually(lambda: events_only_operator.events("pods", "demo-b"))
+    await eventually(
+        lambda: any(
+            (e.body["metadata"].get("annotations") or {}).get("x") == "y"
+            for e in events_only_operator.events("pods", "demo-a")
+        )
+    )
     assert follows(caplog) == 1
     await set_ready(cluster, "demo-b", True)
     await eventually(lambda: workers(cluster) == [url("127.0.0.2"), url("127.0.0.3")])
@@ -232,6 +238,11 @@ async def test_pods_are_watched_with_a_server_side_selector_for_serving_pods(
     assert dict(pair.split("=") for pair in SERVING_POD_SELECTOR.split(",")).items() <= (
         serving.items()
     )
+
+
+def serving_applies(cluster) -> list[Any]:
+    """The operator's applies of the serving Deployment ``demo``."""
+    return [request for request in operator_applies(cluster, DEPLOYMENTS) if request.name == "demo"]
 
 
 def engine_args(cluster) -> list[str]:
@@ -295,8 +306,10 @@ async def test_switching_routing_policy_adds_changes_and_removes_the_router(
         assert "demo-router" in operator_deletes(cluster, kind)
     # The serving children stay: the operator deleted nothing else.
     assert all(name == "demo-router" for k in ROUTER_KINDS for name in operator_deletes(cluster, k))
-    # And the deletions hold: the timer's next passes recreate nothing.
-    await asyncio.sleep(3 * STATUS_INTERVAL_S)
+    # And the deletions hold: the timer's next passes recreate nothing. Each pass applies the
+    # serving Deployment; three more applies of it mean two whole passes at least.
+    passes = len(serving_applies(cluster))
+    await eventually(lambda: len(serving_applies(cluster)) >= passes + 3)
     assert all(stored(cluster, kind, "demo-router") is None for kind in ROUTER_KINDS)
 
 

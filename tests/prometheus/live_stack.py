@@ -1,6 +1,6 @@
 """Helpers of the live dashboard and alert tests: the chart's rules on a shorter clock, an alert
-recorder, the scrape job of the chart's router PodMonitor, and the load that causes each alert
-on the real vLLM server."""
+recorder, a recorder of each rule evaluation, the scrape job of the chart's router PodMonitor,
+and the load that causes each alert on the real vLLM server."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 import requests
@@ -72,6 +73,7 @@ class AlertSeen:
     name: str
     state: str  # pending or firing
     labels: dict[str, str]
+    value: str = ""  # the expression's value, where the API gives it
 
 
 @dataclass(slots=True)
@@ -180,3 +182,77 @@ def shared_prefix_prompts(prefix_tokens: int, suffix_tokens: int, seed: int) -> 
     prefix = [rng.choice(VOCABULARY) for _ in range(prefix_tokens)]
     while True:
         yield prefix + [rng.choice(VOCABULARY) for _ in range(suffix_tokens)]
+
+
+def parse_rfc3339(stamp: str) -> float:
+    """A timestamp of Prometheus's API (RFC 3339, nanoseconds) as seconds since the epoch."""
+    stamp = re.sub(r"(\.\d{6})\d+", r"\1", stamp).replace("Z", "+00:00")
+    return datetime.fromisoformat(stamp).timestamp()
+
+
+@dataclass(frozen=True, slots=True)
+class Evaluation:
+    """One evaluation of one alert rule: when, and the alerts it left pending or firing."""
+
+    at: float
+    alerts: tuple[AlertSeen, ...]  # ``at`` of each is the evaluation's
+
+
+@dataclass(slots=True)
+class EvaluationRecorder:
+    """Polls /api/v1/rules in a thread and keeps each evaluation of the alert rules of group
+    ``group`` once: the rule's last evaluation time and the alerts it left active.
+
+    Unlike ``AlertRecorder``, which sees alerts whenever it polls, this ties each state to
+    the evaluation that produced it, so a test can compare it with what it measured over the
+    rule's own window ending at that evaluation.
+    """
+
+    prometheus: PrometheusServer
+    group: str
+    poll_s: float = 0.2
+    evaluations: dict[str, list[Evaluation]] = field(default_factory=dict)
+    errors: list[str] = field(default_factory=list)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            try:
+                groups = self.prometheus.api("rules", {"type": "alert"})["groups"]
+            except PrometheusError as error:
+                self.errors.append(str(error))
+                continue
+            for group in groups:
+                if group["name"] != self.group:
+                    continue
+                for rule in group["rules"]:
+                    self._record(rule)
+
+    def _record(self, rule: Mapping[str, Any]) -> None:
+        stamp = rule.get("lastEvaluation", "")
+        if not stamp or stamp.startswith("0001-"):  # not evaluated yet
+            return
+        at = parse_rfc3339(stamp)
+        seen = self.evaluations.setdefault(rule["name"], [])
+        if seen and seen[-1].at >= at:
+            return
+        alerts = []
+        for alert in rule.get("alerts", []):
+            labels = dict(alert["labels"])
+            name, state, value = labels.pop("alertname"), alert["state"], alert.get("value", "")
+            alerts.append(AlertSeen(at, name, state, labels, value))
+        seen.append(Evaluation(at, tuple(alerts)))
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    def of(self, name: str, start: float, end: float) -> list[Evaluation]:
+        """The evaluations of rule ``name`` recorded at ``start`` .. ``end``."""
+        return [e for e in self.evaluations.get(name, []) if start <= e.at <= end]

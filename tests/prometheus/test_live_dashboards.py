@@ -61,6 +61,7 @@ from tests.prometheus.live_stack import (
     steady_load,
     unique_prompts,
 )
+from tests.replay_budget import replay_run_time_s
 
 pytestmark = [pytest.mark.vllm, pytest.mark.locust, pytest.mark.slow]
 
@@ -78,8 +79,9 @@ OVERLOAD_PROMPT_TOKENS, OVERLOAD_OUTPUT, OVERLOAD_IN_FLIGHT = 61 * BLOCK_TOKENS 
 # A 61-block shared prefix plus one block of suffix and output per request: three requests
 # run at once and the cache never has more than 3 free blocks while two of them do.
 PREFIX_TOKENS, SUFFIX_TOKENS, SATURATION_OUTPUT, SATURATION_IN_FLIGHT = 61 * BLOCK_TOKENS, 8, 24, 6
-ALERT_TIMEOUT_S = 120.0
-SWITCH_TIMEOUT_S = 30.0
+# Bounds for a slow, busy machine; every wait ends as soon as what it waits for is seen.
+ALERT_TIMEOUT_S = 300.0
+SWITCH_TIMEOUT_S = 120.0
 
 # Alert -> the state each phase must bring it to. vLLM sets vllm:kv_cache_usage_perc once per
 # engine step, and on this tiny CPU model requests are so short that the gauge reads 0 between
@@ -183,7 +185,7 @@ def prometheus(server: VllmServer) -> Iterator[PrometheusServer]:
     rules = {"alerts.yaml": shortened_rules(CHART_RULES, RULE_TIME_FACTOR)}
     with PrometheusServer([job], rule_files=rules, evaluation_interval_s=SCRAPE_S) as prom:
         # Static targets reach the scrape manager within its 5 s discovery update period.
-        prom.wait_until(lambda: prom.query("arc_evictor_policy_info == 1") != [], 30,
+        prom.wait_until(lambda: prom.query("arc_evictor_policy_info == 1") != [], ALERT_TIMEOUT_S,
                         "the engine's first scrape")  # fmt: skip
         yield prom
 
@@ -216,7 +218,8 @@ def scenario(
         writer = threading.Thread(target=switcher, daemon=True)
         writer.start()
         try:
-            replay = run_replay(server.base_url, trace, out_dir=work / "replay", run_time_s=150,
+            replay = run_replay(server.base_url, trace, out_dir=work / "replay",
+                                run_time_s=replay_run_time_s(trace, block_tokens=BLOCK_TOKENS),
                                 api_key=server.api_key, block_tokens=BLOCK_TOKENS,
                                 tokenizer=model_dir)  # fmt: skip
         finally:
@@ -260,7 +263,10 @@ def test_healthy_replay_answers_everything_and_raises_no_alert(scenario: Scenari
     assert (summary["requests_ok"], summary["requests_failed"]) == (REPLAY_REQUESTS, 0)
     assert [policy for _, policy in scenario.switches[:2]] == ["arc", "trio"]
     active = scenario.recorder.active_between(*scenario.healthy)
-    assert active == [], f"alerts during the healthy replay: {active}"
+    # What the replay measured says how far the server was from the latency alert's 2 s.
+    measured = {key: summary[key] for key in ("ttft_s", "dispatch_lag_s")}
+    assert active == [], f"alerts during the healthy replay: {active}; measured {measured}"
+    print(f"healthy replay: no alert; measured {measured}")
     assert scenario.recorder.errors == []
     assert scenario.load_errors == []
 

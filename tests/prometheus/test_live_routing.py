@@ -11,10 +11,18 @@ tests/prometheus/test_live_dashboards.py does for the engines.
 
 The scenario, run once in this order:
 
-1. routed: prompts sharing three prefixes, sent through the router; no routing alert may be
-   pending or firing, and every routing-dashboard query must return sane data over this window;
+1. routed: three clients, one per shared prefix, send through the router without pause until
+   the hit-rate rule has been evaluated, on windows that begin after each prefix's first
+   (cold) request, for its ``for:`` duration and a few evaluations more; the test reads each
+   server's own counters meanwhile. From them it judges, at each of those evaluations and
+   over the rule's own window, whether a replica hit under half of the fleet's rate: routing
+   was healthy if none did, and the alert must agree with that judgement wherever it is clear
+   (unchanged by moving the window's ends by two scrape intervals). The router alerts stay
+   quiet, as the router's own counters say they should, and every routing-dashboard query
+   must return sane data over this window;
 2. skew: sent straight to the engines, replica 0 gets prompts it has cached, replica 1 prompts
-   nobody has; the per-replica hit-rate alert fires for replica 1;
+   nobody has; the per-replica hit-rate alert fires for replica 1, and agrees with the
+   servers' counters here too, where its condition holds;
 3. fallback: clients ask the router for /tokenize, whose prompt it cannot route by prefix;
    the load-balancing fallback alert fires;
 4. worker down: replica 1 stops; the router's health checks fail and its worker alert fires;
@@ -24,10 +32,12 @@ The scenario, run once in this order:
 from __future__ import annotations
 
 import math
+import re
+import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
@@ -36,12 +46,15 @@ import yaml
 
 from arc_dev import dashboards
 from arc_dev.dashboards import Intervals, PanelQuery, expand
-from arc_dev.fleet import SERVED_MODEL, Fleet
+from arc_dev.fleet import SERVED_MODEL, Fleet, FleetServer, Samples
 from arc_dev.prometheus import EngineTarget, PrometheusServer, pod_monitor_job
 from arc_dev.tinymodel import build_tiny_llama
 from tests.chart.chart_helpers import ALERTS_FILE
 from tests.prometheus.live_stack import (
+    SECONDS,
     AlertRecorder,
+    Evaluation,
+    EvaluationRecorder,
     router_monitor_job,
     shared_prefix_prompts,
     shortened_rules,
@@ -58,8 +71,9 @@ ENGINE_MONITOR, ROUTER_MONITOR = "rel-arc-serving-engine", "rel-arc-serving-rout
 PODS, ROUTER_POD = ("chat-0", "chat-1"), "chat-router-0"
 CAPACITY_BLOCKS = 64
 PREFIX_TOKENS, SUFFIX_TOKENS = 4 * 32, 8  # four full 32-token blocks shared, then a suffix
-FAMILIES, ROUTED_REQUESTS = 3, 48
-ALERT_TIMEOUT_S = 120.0
+FAMILIES = 3
+# Bounds for a slow, busy machine: each phase ends as soon as what it waits for is seen.
+ALERT_TIMEOUT_S = 300.0
 # The router checks its workers every second and gives one up after 3 failures (its default).
 ROUTER_ARGS = ("--health-check-interval-secs", "1")
 
@@ -71,6 +85,37 @@ ROUTING_RULES = {
     if group["name"] == ROUTING_GROUP
     for rule in group["rules"]
 }
+HIT_RATE_ALERT = "ArcServingReplicaHitRateLow"
+ROUTER_ALERTS = sorted(set(ROUTING_RULES) - {HIT_RATE_ALERT})
+# The decision outcomes ArcServingRoutingFallback counts as falling back to load.
+FALLBACK_OUTCOMES = re.findall(
+    r'outcome=~"([^"]+)"', ROUTING_RULES["ArcServingRoutingFallback"]["expr"]
+)[0].split("|")
+
+
+def seconds(duration: str) -> float:
+    match = re.fullmatch(r"(\d+)(ms|s|m|h|d)", duration)
+    assert match, duration
+    return int(match.group(1)) * SECONDS[match.group(2)]
+
+
+# The hit-rate rule as Prometheus runs it here: its rate window and ``for:`` divided by
+# RULE_TIME_FACTOR, and its factor (a replica under FACTOR times its ServingPolicy's rate).
+RATE_WINDOW_S = (
+    max(seconds(d) for d in re.findall(r"\[(\w+)\]", ROUTING_RULES[HIT_RATE_ALERT]["expr"]))
+    / RULE_TIME_FACTOR
+)
+FOR_S = seconds(ROUTING_RULES[HIT_RATE_ALERT]["for"]) / RULE_TIME_FACTOR
+FACTOR = float(
+    re.findall(r"group_left \(\)\s+([\d.]+) \*", ROUTING_RULES[HIT_RATE_ALERT]["expr"])[0]
+)
+# How far the test's readings of the servers and Prometheus's scrapes and evaluations of the
+# same moment may lie apart; a judgement that moving the window's ends by this much changes
+# is not clear, and the alert is not compared with it.
+SLACK_S = 2 * SCRAPE_S
+# Judged evaluations the healthy window must hold: enough for a condition that held
+# throughout to take the alert to firing, and a few more.
+JUDGED_EVALUATIONS = math.ceil(FOR_S / SCRAPE_S) + 5
 PHASES = {
     "skew": {"ArcServingReplicaHitRateLow": PODS[1]},
     "fallback": {"ArcServingRoutingFallback": None},
@@ -81,11 +126,135 @@ ROUTING_QUERIES = dashboards.panel_queries(dashboards.load(ROUTING_DASHBOARD))
 ALL = {"namespace": None, "servingpolicy": None, "pod": None}
 
 
+@dataclass(frozen=True, slots=True)
+class Reading:
+    """One reading of one server's counters, taken by the test itself."""
+
+    at: float
+    hits: float  # vllm:prefix_cache_hits_total (prompt tokens)
+    queries: float  # vllm:prefix_cache_queries_total
+    requests: float  # vllm:request_success_total
+
+
+@dataclass(slots=True)
+class CounterSampler:
+    """Reads every server's /metrics in a thread, every ``poll_s``, until stopped."""
+
+    servers: Sequence[FleetServer]
+    poll_s: float = 0.25
+    readings: dict[str, list[Reading]] = field(default_factory=dict)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            for server, pod in zip(self.servers, PODS, strict=True):
+                stats = server.stats()
+                if stats.hit_tokens is not None and stats.query_tokens is not None:
+                    reading = Reading(time.time(), stats.hit_tokens, stats.query_tokens,
+                                      stats.requests or 0.0)  # fmt: skip
+                    self.readings.setdefault(pod, []).append(reading)
+            if self._stop.wait(self.poll_s):
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+
+@dataclass(frozen=True, slots=True)
+class Counts:
+    hits: float
+    queries: float
+    requests: float
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else math.nan
+
+
+def counts(readings: Sequence[Reading], start: float, end: float) -> Counts:
+    """What a server's counters grew by between ``start`` and ``end`` (its readings then)."""
+
+    def at(moment: float) -> Reading:
+        return max((r for r in readings if r.at <= moment), key=lambda r: r.at,
+                   default=readings[0])  # fmt: skip
+
+    first, last = at(start), at(end)
+    return Counts(last.hits - first.hits, last.queries - first.queries,
+                  last.requests - first.requests)  # fmt: skip
+
+
+def low_replicas(readings: dict[str, list[Reading]], start: float, end: float) -> set[str]:
+    """The pods whose hit rate over ``start`` .. ``end`` is under FACTOR times the fleet's: the
+    hit-rate rule's condition, judged from the servers' own counters (a pod that served no
+    prompt token has no rate, as in the rule)."""
+    per_pod = {pod: counts(found, start, end) for pod, found in readings.items()}
+    fleet = Counts(*(sum(getattr(c, f) for c in per_pod.values())
+                     for f in ("hits", "queries", "requests")))  # fmt: skip
+    return {pod for pod, c in per_pod.items()
+            if c.queries and c.hit_rate < FACTOR * fleet.hit_rate}  # fmt: skip
+
+
+def judgement(readings: dict[str, list[Reading]], at: float) -> set[str] | None:
+    """The pods the rule's condition holds for at the evaluation at ``at``, over the rule's
+    window; None when moving either end of the window by SLACK_S changes the answer."""
+    found = {
+        frozenset(low_replicas(readings, at - RATE_WINDOW_S + start, at + end))
+        for start in (-SLACK_S, SLACK_S)
+        for end in (-SLACK_S, SLACK_S)
+    }
+    return set(next(iter(found))) if len(found) == 1 else None
+
+
+def router_fallbacks(samples: Samples) -> float:
+    """The router's decisions so far that fell back to load (its own counter)."""
+    decisions = samples.get("vllm_router_prefix_routing_decisions_total", [])
+    return sum(value for labels, value in decisions if labels.get("outcome") in FALLBACK_OUTCOMES)
+
+
+@dataclass(slots=True)
+class Healthy:
+    """The healthy window: what the test read of the servers and the router, and each
+    evaluation of the routing rules."""
+
+    judged: tuple[float, float]  # evaluations here have their whole rate window after warm-up
+    readings: dict[str, list[Reading]]
+    evaluations: EvaluationRecorder
+    router_before: Samples
+    router_after: Samples
+
+    def judged_evaluations(self, name: str = HIT_RATE_ALERT) -> list[Evaluation]:
+        return self.evaluations.of(name, *self.judged)
+
+    def describe(self) -> str:
+        """Each replica's share of the requests and hit rate over the judged window."""
+        start, end = self.judged[0] - RATE_WINDOW_S, self.judged[1]
+        per_pod = {pod: counts(found, start, end) for pod, found in self.readings.items()}
+        total = sum(c.requests for c in per_pod.values()) or 1
+        hits = sum(c.hits for c in per_pod.values())
+        queries = sum(c.queries for c in per_pod.values()) or 1
+        return (
+            ", ".join(
+                f"{pod}: {c.requests:.0f} requests ({c.requests / total:.0%}), hit rate "
+                f"{c.hit_rate:.2f}"
+                for pod, c in sorted(per_pod.items())
+            )
+            + f"; fleet hit rate {hits / queries:.2f}"
+        )
+
+
 @dataclass(slots=True)
 class Scenario:
     """When each phase ran and every alert state seen meanwhile."""
 
     routed: tuple[float, float]
+    healthy: Healthy
     skew: tuple[float, float]
     fallback: tuple[float, float]
     worker_down: tuple[float, float]
@@ -117,7 +286,8 @@ def prometheus(fleet: Fleet) -> Iterator[PrometheusServer]:
     ]
     rules = {"alerts.yaml": shortened_rules(CHART_RULES, RULE_TIME_FACTOR)}
     with PrometheusServer(jobs, rule_files=rules, evaluation_interval_s=SCRAPE_S) as prom:
-        prom.wait_until(lambda: len(prom.query("up == 1")) == 3, 30, "the first scrapes")
+        prom.wait_until(lambda: len(prom.query("up == 1")) == 3, ALERT_TIMEOUT_S,
+                        "the first scrapes")  # fmt: skip
         yield prom
 
 
@@ -141,25 +311,83 @@ def until_firing(
     return start, time.time()
 
 
+def engines_scraped_since(prometheus: PrometheusServer, moment: float) -> bool:
+    """Whether Prometheus holds a scrape of every engine taken after ``moment``."""
+    found = prometheus.query(f'timestamp(up{{job="{NAMESPACE}/{ENGINE_MONITOR}"}})')
+    return len(found) == len(PODS) and all(float(s["value"][1]) > moment for s in found)
+
+
+def routed_traffic(
+    fleet: Fleet,
+    prometheus: PrometheusServer,
+    sampler: CounterSampler,
+    evaluations: EvaluationRecorder,
+) -> tuple[tuple[float, float], Healthy]:
+    """Phase 1: one client per prefix family at once, so that the router weighs cached
+    prefixes against load and both replicas get requests, until the hit-rate rule has been
+    evaluated JUDGED_EVALUATIONS times on windows that begin after every family's first
+    request was answered (its prefix cached: the cold misses are behind the windows)."""
+    start = time.time()
+    router_before = fleet.router.metrics()
+    stop = threading.Event()
+    answered = [0] * FAMILIES
+
+    def client(family: int) -> None:
+        prompts = shared_prefix_prompts(PREFIX_TOKENS, SUFFIX_TOKENS, family)
+        while not stop.is_set():
+            complete(fleet, fleet.router.url, next(prompts))
+            answered[family] += 1
+
+    def judged_so_far(warm: float) -> int:
+        now = time.time()
+        return len(evaluations.of(HIT_RATE_ALERT, warm + RATE_WINDOW_S + SLACK_S, now - SLACK_S))
+
+    def clients_failed() -> None:
+        """Raise a client's error (or say that one stopped) while the phase waits."""
+        for future in clients:
+            if future.done():
+                future.result()
+                raise AssertionError("a client stopped sending")
+
+    pool = ThreadPoolExecutor(FAMILIES)
+    try:
+        clients = [pool.submit(client, family) for family in range(FAMILIES)]
+        prometheus.wait_until(lambda: clients_failed() or min(answered) > 0, ALERT_TIMEOUT_S,
+                              "an answer for every prefix family")  # fmt: skip
+        warm = time.time()
+        prometheus.wait_until(
+            lambda: clients_failed() or judged_so_far(warm) >= JUDGED_EVALUATIONS,
+            ALERT_TIMEOUT_S,
+            f"{JUDGED_EVALUATIONS} evaluations of {HIT_RATE_ALERT} after the warm-up",
+        )
+    finally:
+        stop.set()
+        pool.shutdown(wait=True)
+    for future in clients:
+        future.result()
+    traffic_end = time.time()
+    # The routed window ends once Prometheus scraped the engines after the last answer, so
+    # that every request reaches the dashboards' rate windows.
+    prometheus.wait_until(lambda: engines_scraped_since(prometheus, traffic_end),
+                          ALERT_TIMEOUT_S, "a scrape after the routed traffic")  # fmt: skip
+    judged = (warm + RATE_WINDOW_S + SLACK_S, traffic_end - SLACK_S)
+    healthy = Healthy(judged, sampler.readings, evaluations, router_before,
+                      fleet.router.metrics())  # fmt: skip
+    return (start, time.time()), healthy
+
+
 @pytest.fixture(scope="module")
 def scenario(fleet: Fleet, prometheus: PrometheusServer) -> Iterator[Scenario]:
     recorder = AlertRecorder(prometheus)
     recorder.start()
+    # The servers' counters and the routing rules' evaluations through phases 1 and 2.
+    sampler = CounterSampler(fleet.servers)
+    evaluations = EvaluationRecorder(prometheus, ROUTING_GROUP)
+    sampler.start()
+    evaluations.start()
     try:
-        # 1. routed traffic: one client per prefix family at once, so that the router weighs
-        #    cached prefixes against load and both replicas get requests
-        start = time.time()
-
-        def client(seed: int) -> None:
-            prompts = shared_prefix_prompts(PREFIX_TOKENS, SUFFIX_TOKENS, seed)
-            for _ in range(ROUTED_REQUESTS // FAMILIES):
-                complete(fleet, fleet.router.url, next(prompts))
-
-        with ThreadPoolExecutor(FAMILIES) as pool:
-            list(pool.map(client, range(FAMILIES)))
-        # Two more scrapes, so that the last requests reach the rate windows.
-        time.sleep(2 * SCRAPE_S)
-        routed = (start, time.time())
+        # 1. routed traffic, judged from the servers' counters
+        routed, healthy = routed_traffic(fleet, prometheus, sampler, evaluations)
 
         # 2. skew: replica 0 serves a prefix it has cached, replica 1 prompts nobody has
         cached = shared_prefix_prompts(PREFIX_TOKENS, SUFFIX_TOKENS, seed=0)
@@ -170,6 +398,8 @@ def scenario(fleet: Fleet, prometheus: PrometheusServer) -> Iterator[Scenario]:
             complete(fleet, fleet.servers[1].url, next(fresh))
 
         skew = until_firing(recorder, "ArcServingReplicaHitRateLow", time.time(), skewed)
+        sampler.stop()
+        evaluations.stop()
 
         # 3. fallback: requests whose prompt the router cannot route by its prefix
         def tokenize() -> None:
@@ -190,18 +420,61 @@ def scenario(fleet: Fleet, prometheus: PrometheusServer) -> Iterator[Scenario]:
         recorder.wait_for({"ArcServingRouterDown": "firing"}, start, ALERT_TIMEOUT_S)
         router_down = (start, time.time())
     finally:
+        sampler.stop()
+        evaluations.stop()
         recorder.stop()
-    yield Scenario(routed, skew, fallback, worker_down, router_down, recorder)
+    yield Scenario(routed, healthy, skew, fallback, worker_down, router_down, recorder)
 
 
 # ----------------------------------------------------------------------------- alerts
-def test_routed_traffic_raises_no_routing_alert(scenario: Scenario) -> None:
-    # The engines' latency alerts are test_live_dashboards.py's: on two shared CPU cores three
-    # concurrent clients can slow the first token past its threshold, which says nothing
-    # about the routing.
-    active = [a for a in scenario.recorder.active_between(*scenario.routed)
-              if a.name in ROUTING_RULES]  # fmt: skip
-    assert active == [], f"routing alerts while routing was healthy: {active}"
+def test_routed_traffic_was_healthy_by_the_servers_counters(scenario: Scenario) -> None:
+    healthy = scenario.healthy
+    judged = healthy.judged_evaluations()
+    assert len(judged) >= JUDGED_EVALUATIONS, (healthy.judged, len(judged))
+    low = {e.at: low_replicas(healthy.readings, e.at - RATE_WINDOW_S, e.at) for e in judged}
+    low = {at: pods for at, pods in low.items() if pods}
+    # A replica under half the fleet's hit rate after the warm-up: the router sent it
+    # prefixes that the other replica holds. That is the routing's fault, not the alert's.
+    assert low == {}, f"routing was not healthy at {sorted(low.items())}: {healthy.describe()}"
+    print(f"routed traffic, {len(judged)} evaluations judged: {healthy.describe()}")
+
+
+def test_hit_rate_alert_agrees_with_the_servers_counters(scenario: Scenario) -> None:
+    # Over the healthy window and the skew after it, so that the comparison sees the
+    # condition both false and true.
+    healthy = scenario.healthy
+    compared, low, disagreements = 0, 0, []
+    window = (healthy.judged[0], scenario.skew[1] - SLACK_S)
+    for evaluation in healthy.evaluations.of(HIT_RATE_ALERT, *window):
+        expected = judgement(healthy.readings, evaluation.at)
+        if expected is None:
+            continue
+        compared += 1
+        low += bool(expected)
+        active = {a.labels["pod"]: f"{a.state} at {float(a.value):.2f}" if a.value else a.state
+                  for a in evaluation.alerts}  # fmt: skip
+        if set(active) != expected:
+            disagreements.append((evaluation.at, sorted(expected), active))
+    assert disagreements == [], f"{disagreements}: {healthy.describe()}"
+    assert compared >= JUDGED_EVALUATIONS and low > 0, f"{compared} clear judgements, {low} low"
+    print(f"{HIT_RATE_ALERT}: {compared} evaluations compared, {low} with a replica low")
+    assert healthy.evaluations.errors == []
+
+
+def test_router_alerts_stay_quiet_while_the_router_routes_by_prefix(
+    scenario: Scenario, fleet: Fleet
+) -> None:
+    healthy = scenario.healthy
+    # What the router's own counters say: no decision fell back to load, every worker healthy.
+    assert router_fallbacks(healthy.router_after) == router_fallbacks(healthy.router_before)
+    health = {labels["worker"]: value for labels, value in
+              healthy.router_after.get("vllm_router_worker_health", [])}  # fmt: skip
+    assert health == {server.url: 1.0 for server in fleet.servers}
+    for name in ROUTER_ALERTS:
+        judged = healthy.judged_evaluations(name)
+        assert len(judged) >= JUDGED_EVALUATIONS, (name, len(judged))
+        active = [a for e in judged for a in e.alerts]
+        assert active == [], f"{name} while the router routed by prefix: {active}"
     assert scenario.recorder.errors == []
 
 
