@@ -17,6 +17,7 @@ from arc_dev.tinymodel import build_tiny_llama
 from arc_dev.vllm_server import VllmServer
 from arc_serving_common.traces import load_trace
 from arc_simulator.simulate import simulate
+from tests.replay_budget import replay_run_time_s
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -47,16 +48,21 @@ def session(server: VllmServer) -> demo.ServerSession:
 PROMPT = [5 + i % 900 for i in range(4 * demo.BLOCK_TOKENS + 5)]  # 4 full blocks + 5 tokens
 
 
-def test_timing_the_server_sees_cached_prompts_faster_and_decode_steps_cost_time(
+def test_timing_the_server_runs_real_uncached_and_cached_prompts(
     session: demo.ServerSession,
 ) -> None:
     session.prepare("lru")
-    calibration = measure_cost(session.complete, 12 * demo.BLOCK_TOKENS)
-    assert calibration.miss_s > calibration.hit_s > 0
-    assert calibration.decode_s > 0
-    cost = calibration.cost_model()
-    assert cost.prefill_seconds_per_token > 0
-    assert cost.step_seconds == calibration.hit_s
+    before = session.counters()
+    blocks = 12
+    calibration = measure_cost(session.complete, blocks * demo.BLOCK_TOKENS, rounds=3)
+    after = session.counters()
+    # 3 prompts, each sent uncached, then cached, then cached with more output tokens.
+    assert after.requests_finished - before.requests_finished == 9
+    # vLLM computes a prompt's last token, so a cached 12-block prompt hits 11 blocks.
+    assert after.block_hits - before.block_hits == 2 * 3 * (blocks - 1)
+    cost = calibration.cost_model()  # valid whatever the timings (CostModel checks its fields)
+    assert min(calibration.miss_s, calibration.hit_s, cost.step_seconds) > 0
+    assert cost.prefill_seconds_per_token > 0 and cost.decode_seconds_per_token > 0
 
 
 def hits_of(session: demo.ServerSession, prompt: list[int]) -> float:
@@ -85,23 +91,26 @@ def test_replay_counts_the_blocks_the_simulator_counts(
     params = DocQAParams(documents=3, document_tokens=200, questions_per_document=2,
                          question_tokens=20, output_tokens=3, seed=1)  # fmt: skip
     records = list(to_records(docqa(params), "bailian", demo.BLOCK_TOKENS))
-    # Far enough apart, on this machine's own timing, that the replay is sequential.
-    calibration = measure_cost(session.complete, 200)
-    gap_s = 4 * (calibration.miss_s + 3 * calibration.decode_s) + 0.2
     for number, record in enumerate(records):
-        record["timestamp"] = round(gap_s * number, 3)
+        # Each question waits for the one before (the replay gates a turn on its parent's
+        # answer), so the replay is sequential on any machine, as the simulator's mode is.
+        record["timestamp"] = 0.1 * number
+        record["parent_chat_id"] = records[number - 1]["chat_id"] if number else -1
+        record["turn"] = number + 1
     trace = tmp_path / "trace.jsonl"
     write_trace(trace, records)
     requests = load_trace(trace, block_tokens=demo.BLOCK_TOKENS)
     expected = simulate(requests, "arc", CAPACITY, sequential=True)
+    run_time_s = replay_run_time_s(trace, block_tokens=demo.BLOCK_TOKENS)
     run = demo.replay_policy(session, "arc", trace, tmp_path, tokenizer=model_dir,
-                             time_scale=1.0, run_time_s=int(6 * gap_s) + 300,
-                             total=len(requests), scheduled_s=6 * gap_s,
-                             clock=demo.StepClock())  # fmt: skip
+                             time_scale=1.0, run_time_s=run_time_s, total=len(requests),
+                             scheduled_s=1.0, clock=demo.StepClock())  # fmt: skip
     assert run.requests == len(requests) == 6
-    rows = [json.loads(line) for line in (tmp_path / "arc" / "results.jsonl").open()]
-    ends = sorted((r["sent_wall"], r["sent_wall"] + r["e2e_s"]) for r in rows)
-    assert all(end <= next_sent for (_, end), (next_sent, _) in itertools.pairwise(ends))
+    rows = [
+        json.loads(line) for line in (tmp_path / "arc" / "results.jsonl").read_text().splitlines()
+    ]
+    spans = sorted((row["sent_wall"], row["sent_wall"] + row["e2e_s"]) for row in rows)
+    assert all(end <= sent for (_, end), (sent, _) in itertools.pairwise(spans))
     assert run.block_queries == expected.block_queries
     assert run.block_hits == expected.block_hits > 0
     assert (tmp_path / "arc" / "locust.log").is_file()
