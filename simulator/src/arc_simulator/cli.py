@@ -17,15 +17,13 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
 from collections.abc import Sequence
 from dataclasses import fields
 from pathlib import Path
-from typing import NoReturn
 
-from arc_evictor.policies.base import PolicyError
-from arc_serving_common.traces import FORMATS, TraceError, load_trace
+from arc_serving_common.traces import FORMATS, load_trace
+from arc_simulator.command import UsageError, program_parser, run, writable_folder
 from arc_simulator.fleet import check_fleet, fleet_sweep
 from arc_simulator.generate import (
     ConversationParams,
@@ -35,20 +33,9 @@ from arc_simulator.generate import (
     write_generated,
 )
 from arc_simulator.report import plot, table, to_json
-from arc_simulator.routing import RoutingError, make_router, router_names
-from arc_simulator.scaling import add_scale_arguments, run_scale
+from arc_simulator.routing import make_router, router_names
+from arc_simulator.scaling import add_scale_command
 from arc_simulator.simulate import CostModel, build_policy, simulator_policy_names, sweep
-
-
-class UsageError(ValueError):
-    """A command-line value that cannot be used."""
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse with its errors on one line (no usage block), like every other error here."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def parse_policies(text: str) -> list[str]:
@@ -94,20 +81,6 @@ def parse_capacities(text: str, distinct_blocks: int) -> list[int]:
     return sorted(set(capacities))
 
 
-def _writable_folder(path: Path) -> bool:
-    """True if ``path``'s folder exists (or can be made) and takes new files.
-
-    Decided without creating anything: the nearest existing ancestor must be a writable
-    folder, and ``path`` itself must not be a folder.
-    """
-    if path.is_dir():
-        return False
-    folder = path.absolute().parent
-    while not folder.exists():
-        folder = folder.parent
-    return folder.is_dir() and os.access(folder, os.W_OK)
-
-
 def _simulate(args: argparse.Namespace) -> int:
     policies = parse_policies(args.policy)
     rate = args.prefill_tokens_per_second
@@ -134,7 +107,7 @@ def _simulate(args: argparse.Namespace) -> int:
         routers = parse_routers(args.router, args.replicas)
         for name in policies:
             check_fleet(name, args.replicas)
-    if args.plot and not _writable_folder(args.plot):
+    if args.plot and not writable_folder(args.plot):
         raise UsageError(f"--plot {args.plot}: cannot write into {args.plot.parent}")
     requests = load_trace(args.trace, args.format, block_tokens=args.block_tokens)
     distinct = len({key for request in requests for key in request.keys})
@@ -188,7 +161,7 @@ def _generate(args: argparse.Namespace) -> int:
         for field in fields(params_type)
         if getattr(args, field.name, None) is not None
     }
-    if not _writable_folder(args.out):
+    if not writable_folder(args.out):
         raise UsageError(f"--out {args.out}: cannot write a file there")
     try:
         params = params_type(**overrides)
@@ -227,7 +200,7 @@ def _evaluate(args: argparse.Namespace) -> int:
         )
     except ValueError as error:
         raise UsageError(str(error)) from None
-    if not _writable_folder(args.out / "evaluate.txt"):
+    if not writable_folder(args.out / "evaluate.txt"):
         raise UsageError(f"--out {args.out}: not a folder this user can write into")
     rows = run_evaluation(config, args.out, lambda line: print(line, file=sys.stderr))
     print(table(rows))
@@ -237,23 +210,8 @@ def _evaluate(args: argparse.Namespace) -> int:
     return 1 if misses and args.check else 0
 
 
-def _scale(args: argparse.Namespace) -> int:
-    if not _writable_folder(args.out / "scale.txt"):
-        raise UsageError(f"--out {args.out}: not a folder this user can write into")
-    try:
-        return run_scale(args, lambda line: print(line, file=sys.stderr))
-    except ValueError as error:
-        if isinstance(error, PolicyError | TraceError | RoutingError):
-            raise
-        raise UsageError(str(error)) from None
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
-        prog="arc-evictor",
-        description="Prefix-cache eviction policies: simulate, generate, evaluate and scale.",
-    )
-    commands = parser.add_subparsers(dest="command", required=True)
+    parser, commands = program_parser()
 
     simulate = commands.add_parser("simulate", help="replay a trace through policies and sizes")
     simulate.add_argument("trace", help="trace file (Mooncake or Qwen-Bailian JSON lines)")
@@ -321,22 +279,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     evaluate.set_defaults(run=_evaluate)
 
-    scale = commands.add_parser(
-        "scale", help="the scaling study: routers and policies over 1 to 32 replicas"
-    )
-    add_scale_arguments(scale)
-    scale.set_defaults(run=_scale)
+    add_scale_command(commands)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    try:
-        return args.run(args)
-    except (UsageError, PolicyError, TraceError, RoutingError) as error:
-        print(f"arc-evictor: error: {error}", file=sys.stderr)
-        return 2
+    return run(build_parser().parse_args(argv))
 
 
 if __name__ == "__main__":

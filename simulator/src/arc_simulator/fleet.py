@@ -1,9 +1,11 @@
 """A fleet of vLLM replicas behind a router, each with its own block pool.
 
-Every replica is the single-replica model of ``arc_simulator.simulate`` with a
-pool of ``capacity`` blocks (the capacity is per replica, what one pod's KV
-cache holds) and its own eviction policy. A router (``arc_simulator.routing``)
-places each request at its arrival from what it may know then (``FleetView``).
+Every replica is a ``simulate.Replica``, the model ``arc_simulator.simulate``
+runs as a fleet of one, with a pool of ``capacity`` blocks (the capacity is per
+replica, what one pod's KV cache holds) and its own eviction policy. A router
+(``arc_simulator.routing``) places each request at its arrival from what it may
+know then (``FleetView``); ``simulate.replay_sequential`` and
+``replay_overlapping`` drive the replicas in either mode.
 
 - Sequential: each request is served alone on its replica (take its blocks,
   release them), in file order. There is no queue, but requests still take time:
@@ -23,218 +25,67 @@ decisions not yet made, so a fleet of more than one replica does not take it.
 
 from __future__ import annotations
 
-import heapq
 import time
-from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 from arc_serving_common.traces import TraceRequest
 from arc_simulator.belady import Belady
-from arc_simulator.pool import BlockPool
 from arc_simulator.routing import RoutingError, check_replicas, make_router
 from arc_simulator.simulate import (
     CostModel,
+    Replica,
     SimulationResult,
     build_policy,
-    count_rejected,
-    count_served,
-    percentile,
     policy_statistics,
+    record_ttfts,
+    replay_overlapping,
+    replay_sequential,
 )
-
-
-@dataclass(slots=True)
-class _Replica:
-    """One replica's pool, queue and running batch (overlapping mode).
-
-    Invariants: ``queue`` holds (position in the trace, request) of the requests
-    routed here and not yet admitted or rejected, in arrival order; ``running``
-    is a heap of (finish time, position) of admitted requests whose blocks are
-    still pinned; ``now`` never exceeds the limit of the last ``advance``;
-    ``pending`` maps each key of the queued requests to how many hold it.
-    """
-
-    pool: BlockPool
-    result: SimulationResult
-    queue: deque[tuple[int, TraceRequest]] = field(default_factory=deque)
-    running: list[tuple[float, int]] = field(default_factory=list)
-    pending: dict[int, int] = field(default_factory=dict)
-    running_tokens: int = 0
-    prefill_free_at: float = 0.0
-    now: float = 0.0
-    load: int = 0
-    prefill_tokens: int = 0
 
 
 class _View:
     """The fleet as a router sees it; see ``routing.FleetView``."""
 
-    def __init__(self, replicas: Sequence[_Replica], loads: list[int]) -> None:
+    def __init__(self, replicas: Sequence[Replica]) -> None:
         self._replicas = replicas
-        self.loads = loads
         self.now = 0.0
 
+    @property
+    def loads(self) -> list[int]:
+        return [replica.load for replica in self._replicas]
+
     def cached_prefix(self, replica: int, keys: Sequence[int]) -> int:
-        state = self._replicas[replica]
-        pool, pending = state.pool, state.pending
-        for position, key in enumerate(keys):
-            if not (pool.is_cached(key) or key in pending):
-                return position
-        return len(keys)
+        return self._replicas[replica].cached_prefix(keys)
 
 
-class _Fleet:
-    """Replicas, the router's view of them, and the overlapping-mode event loop."""
-
-    def __init__(
-        self,
-        requests: Sequence[TraceRequest],
-        policy_name: str,
-        capacity: int,
-        replicas: int,
-        mode: str,
-    ) -> None:
-        self.requests = requests
-        self.replicas: list[_Replica] = []
-        for _ in range(replicas):
-            policy = build_policy(policy_name, capacity, requests)
-            result = SimulationResult(policy.describe(), capacity, mode)
-            self.replicas.append(_Replica(BlockPool(policy), result))
-        self.loads = [0] * replicas
-        self.view = _View(self.replicas, self.loads)
-        self.ttfts: list[float] = []
-
-    def serve_alone(self, replica: int, request: TraceRequest, cost: CostModel) -> float:
-        """Sequential mode: serve ``request`` on ``replica``; returns its finish time."""
-        state = self.replicas[replica]
-        pool = state.pool
-        keys = request.keys
-        if len(keys) > pool.capacity:
-            count_rejected(state.result, request, pool.policy)
-            return request.timestamp_s
-        hits = pool.take(keys, request.max_hit_blocks)
-        pool.give_back(keys)
-        count_served(state.result, request, hits)
-        uncached = request.input_length - hits * request.block_tokens
-        state.prefill_tokens += uncached
-        return (
-            request.timestamp_s
-            + cost.step_seconds
-            + uncached * cost.prefill_seconds_per_token
-            + request.output_length * cost.decode_seconds_per_token
-        )
-
-    def enqueue(self, replica: int, position: int, request: TraceRequest) -> None:
-        state = self.replicas[replica]
-        state.queue.append((position, request))
-        pending = state.pending
-        for key in request.keys:
-            pending[key] = pending.get(key, 0) + 1
-        self.loads[replica] += 1
-
-    @staticmethod
-    def _unqueue(state: _Replica) -> None:
-        _position, request = state.queue.popleft()
-        pending = state.pending
-        for key in request.keys:
-            count = pending[key] - 1
-            if count:
-                pending[key] = count
-            else:
-                del pending[key]
-
-    def advance(self, replica: int, limit: float, cost: CostModel) -> None:
-        """Overlapping mode: every admission and completion on ``replica`` up to ``limit``.
-
-        The steps and their order are ``simulate_overlapping``'s for the requests
-        routed here, cut at ``limit``.
-        """
-        state = self.replicas[replica]
-        pool, queue, running = state.pool, state.queue, state.running
-        while queue:
-            position, request = queue[0]
-            if len(request.keys) > pool.capacity:
-                self._unqueue(state)
-                count_rejected(state.result, request, pool.policy)
-                self.loads[replica] -= 1
-                continue
-            now = max(state.now, request.timestamp_s)
-            while running and (running[0][0] <= now or not self._admissible(state, request, cost)):
-                if running[0][0] > limit:
-                    state.now = now
-                    return  # the head waits for a completion after ``limit``
-                finish, index = heapq.heappop(running)
-                now = max(now, finish)
-                self._release(replica, self.requests[index])
-            state.now = now
-            self._unqueue(state)
-            self._admit(state, position, request, cost)
-        while running and running[0][0] <= limit:
-            _finish, index = heapq.heappop(running)
-            self._release(replica, self.requests[index])
-
-    def _admissible(self, state: _Replica, request: TraceRequest, cost: CostModel) -> bool:
-        pool = state.pool
-        if pool.num_pinned + pool.blocks_to_pin(request.keys) > pool.capacity:
-            return False
-        tokens = request.input_length + request.output_length
-        return not state.running or state.running_tokens + tokens <= cost.max_batch_tokens
-
-    def _release(self, replica: int, done: TraceRequest) -> None:
-        state = self.replicas[replica]
-        state.pool.give_back(done.keys)
-        state.running_tokens -= done.input_length + done.output_length
-        self.loads[replica] -= 1
-
-    def _admit(
-        self, state: _Replica, position: int, request: TraceRequest, cost: CostModel
-    ) -> None:
-        hits = state.pool.take(request.keys, request.max_hit_blocks)
-        count_served(state.result, request, hits)
-        uncached = request.input_length - hits * request.block_tokens
-        state.prefill_tokens += uncached
-        prefill_start = max(state.now, state.prefill_free_at)
-        prefill_end = prefill_start + cost.step_seconds + uncached * cost.prefill_seconds_per_token
-        state.prefill_free_at = prefill_end
-        self.ttfts.append(prefill_end - request.timestamp_s)
-        finish = prefill_end + request.output_length * cost.decode_seconds_per_token
-        heapq.heappush(state.running, (finish, position))
-        state.running_tokens += request.input_length + request.output_length
-
-
-def _merge(fleet: _Fleet, router_name: str, mode: str, started: float) -> SimulationResult:
+def _merge(replicas: Sequence[Replica], router_name: str, started: float) -> SimulationResult:
     """The fleet's result: counts summed over replicas, ARC's target averaged."""
-    states = fleet.replicas
-    first = states[0].result
-    merged = SimulationResult(first.policy, first.capacity, mode)
-    merged.replicas = len(states)
+    first = replicas[0].result
+    merged = SimulationResult(first.policy, first.capacity, first.mode)
+    merged.replicas = len(replicas)
     merged.router = router_name
     targets: list[float | None] = []
-    for state in states:
-        part = state.result
+    for replica in replicas:
+        part = replica.result
         merged.requests += part.requests
         merged.rejected_requests += part.rejected_requests
         merged.block_queries += part.block_queries
         merged.block_hits += part.block_hits
         merged.input_tokens += part.input_tokens
         merged.hit_tokens += part.hit_tokens
-        merged.evictions += state.pool.evictions
-        ghost_hits, target = policy_statistics(state.pool.policy)
+        merged.evictions += replica.pool.evictions
+        ghost_hits, target = policy_statistics(replica.pool.policy)
         for name, count in ghost_hits.items():
             merged.ghost_hits[name] = merged.ghost_hits.get(name, 0) + count
         targets.append(target)
     if all(target is not None for target in targets):
         merged.final_p = sum(targets) / len(targets)  # type: ignore[arg-type]
     total_requests = merged.requests or 1
-    total_prefill = sum(state.prefill_tokens for state in states) or 1
-    merged.request_shares = [state.result.requests / total_requests for state in states]
-    merged.prefill_token_shares = [state.prefill_tokens / total_prefill for state in states]
-    if mode == "overlapping":
-        fleet.ttfts.sort()
-        merged.ttft_p50_s = percentile(fleet.ttfts, 0.50)
-        merged.ttft_p90_s = percentile(fleet.ttfts, 0.90)
-        merged.ttft_p99_s = percentile(fleet.ttfts, 0.99)
+    total_prefill = sum(replica.prefill_tokens for replica in replicas) or 1
+    merged.request_shares = [replica.result.requests / total_requests for replica in replicas]
+    merged.prefill_token_shares = [replica.prefill_tokens / total_prefill for replica in replicas]
+    if merged.mode == "overlapping":
+        record_ttfts(merged, [ttft for replica in replicas for ttft in replica.ttfts])
     merged.seconds = time.perf_counter() - started
     return merged
 
@@ -269,35 +120,23 @@ def simulate_fleet(
     router = make_router(router_name, replicas, seed)
     cost = cost or CostModel()
     mode = "sequential" if sequential else "overlapping"
-    fleet = _Fleet(requests, policy_name, capacity, replicas, mode)
-    view, loads = fleet.view, fleet.loads
+    fleet = [
+        Replica.of(build_policy(policy_name, capacity, requests), mode, cost)
+        for _ in range(replicas)
+    ]
+    view = _View(fleet)
     decisions: list[int] = []
+
+    def route(request: TraceRequest) -> int:
+        view.now = request.timestamp_s
+        chosen = router.route(request, view)
+        decisions.append(chosen)
+        return chosen
+
     started = time.perf_counter()
-    if sequential:
-        in_flight: list[tuple[float, int]] = []  # (finish time, replica)
-        for request in requests:
-            now = request.timestamp_s
-            while in_flight and in_flight[0][0] <= now:
-                loads[heapq.heappop(in_flight)[1]] -= 1
-            view.now = now
-            chosen = router.route(request, view)
-            decisions.append(chosen)
-            finish = fleet.serve_alone(chosen, request, cost)
-            loads[chosen] += 1
-            heapq.heappush(in_flight, (finish, chosen))
-    else:
-        for position, request in enumerate(requests):
-            now = request.timestamp_s
-            for replica in range(replicas):
-                fleet.advance(replica, now, cost)
-            view.now = now
-            chosen = router.route(request, view)
-            decisions.append(chosen)
-            fleet.enqueue(chosen, position, request)
-            fleet.advance(chosen, now, cost)
-        for replica in range(replicas):
-            fleet.advance(replica, float("inf"), cost)
-    return _merge(fleet, router.name, mode, started), decisions
+    replay = replay_sequential if sequential else replay_overlapping
+    replay(requests, fleet, route)
+    return _merge(fleet, router.name, started), decisions
 
 
 def fleet_sweep(

@@ -42,8 +42,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from arc_serving_common.traces import TraceRequest, load_trace
+from arc_evictor.policies.base import PolicyError
+from arc_serving_common.traces import TraceError, TraceRequest, load_trace
 from arc_simulator import MOONCAKE_SAMPLE
+from arc_simulator.command import (
+    Subcommands,
+    UsageError,
+    program_parser,
+    run,
+    writable_folder,
+)
 from arc_simulator.fleet import check_fleet, simulate_fleet
 from arc_simulator.generate import (
     ConversationParams,
@@ -52,7 +60,7 @@ from arc_simulator.generate import (
     docqa,
     write_generated,
 )
-from arc_simulator.routing import check_replicas, make_router, router_names
+from arc_simulator.routing import RoutingError, check_replicas, make_router, router_names
 from arc_simulator.simulate import build_policy
 
 TRACES = ("mooncake", "docqa", "conversation")
@@ -361,7 +369,33 @@ def run_scale(args: argparse.Namespace, progress: Callable[[str], None] | None =
     return 0
 
 
-if __name__ == "__main__":
-    from arc_simulator.cli import main
+def scale_command(args: argparse.Namespace) -> int:
+    """``arc-evictor scale``: a bad argument is a UsageError, raised before any work."""
+    if not writable_folder(args.out / "scale.txt"):
+        raise UsageError(f"--out {args.out}: not a folder this user can write into")
+    try:
+        return run_scale(args, lambda line: print(line, file=sys.stderr))
+    except ValueError as error:
+        if isinstance(error, PolicyError | TraceError | RoutingError):
+            raise
+        raise UsageError(str(error)) from None
 
-    sys.exit(main(["scale", *sys.argv[1:]]))
+
+def add_scale_command(commands: Subcommands) -> None:
+    """Add ``scale`` to an ``arc-evictor`` parser's subparsers (``command.program_parser``)."""
+    scale = commands.add_parser(
+        "scale", help="the scaling study: routers and policies over 1 to 32 replicas"
+    )
+    add_scale_arguments(scale)
+    scale.set_defaults(run=scale_command)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m arc_simulator.scaling ARGS``: the same as ``arc-evictor scale ARGS``."""
+    parser, commands = program_parser()
+    add_scale_command(commands)
+    return run(parser.parse_args(["scale", *(sys.argv[1:] if argv is None else argv)]))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

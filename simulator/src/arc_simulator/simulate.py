@@ -15,6 +15,11 @@ the requests' blocks in file order:
 
 A request with more blocks than the pool is rejected (vLLM refuses a prompt
 longer than its KV cache): its blocks count as queries that miss.
+
+Both modes run on ``Replica`` (one pool, queue and running batch) through
+``replay_sequential`` and ``replay_overlapping``: one replica here is a fleet of
+one, and ``arc_simulator.fleet`` runs the same code with several replicas behind
+a router.
 """
 
 from __future__ import annotations
@@ -22,7 +27,8 @@ from __future__ import annotations
 import heapq
 import math
 import time
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -159,26 +165,6 @@ def _finish(result: SimulationResult, pool: BlockPool, started: float) -> Simula
     return result
 
 
-def simulate_sequential(
-    requests: Sequence[TraceRequest], policy: EvictionPolicy, *, verify: bool = False
-) -> SimulationResult:
-    """The sequential mode; ``verify`` checks every invariant after each request."""
-    pool = BlockPool(policy)
-    result = SimulationResult(policy.describe(), policy.capacity, "sequential")
-    started = time.perf_counter()
-    for request in requests:
-        keys = request.keys
-        if len(keys) > pool.capacity:
-            count_rejected(result, request, policy)
-            continue
-        hits = pool.take(keys, request.max_hit_blocks)
-        pool.give_back(keys)
-        count_served(result, request, hits)
-        if verify:
-            pool.verify()
-    return _finish(result, pool, started)
-
-
 def count_rejected(result: SimulationResult, request: TraceRequest, policy: EvictionPolicy) -> None:
     """Add a request too large for the pool: its blocks are queries that miss."""
     result.rejected_requests += 1
@@ -197,6 +183,218 @@ def percentile(sorted_values: Sequence[float], fraction: float) -> float | None:
     return sorted_values[rank - 1]
 
 
+def record_ttfts(result: SimulationResult, ttfts: list[float]) -> None:
+    """Set ``result``'s TTFT percentiles from every admitted request's TTFT (sorts them)."""
+    ttfts.sort()
+    result.ttft_p50_s = percentile(ttfts, 0.50)
+    result.ttft_p90_s = percentile(ttfts, 0.90)
+    result.ttft_p99_s = percentile(ttfts, 0.99)
+
+
+@dataclass(slots=True)
+class Replica:
+    """One vLLM replica: its block pool, its first-come first-served queue and running batch.
+
+    The only implementation of both modes' steps: one replica is a fleet of one
+    (``simulate_sequential``, ``simulate_overlapping``), and ``arc_simulator.fleet`` runs
+    several behind a router.
+
+    Invariants (overlapping mode): ``queue`` holds (position in the trace, request) of the
+    requests routed here and not yet admitted or rejected, in arrival order; ``pending`` maps
+    each key of the queued requests to how many of them hold it; ``running`` is a heap of
+    (finish time, position, request) of the admitted requests whose blocks are still pinned,
+    and ``running_tokens`` sums their prompt and output tokens; ``load`` counts the queued and
+    running requests; ``now`` never exceeds the limit of the last ``advance``;
+    ``blocked_until`` is, while the queue's head waits for room, the finish time of the first
+    running request (only a completion can make room), and -inf otherwise. In sequential mode
+    the queue and the batch stay empty and the caller keeps ``load``.
+    """
+
+    pool: BlockPool
+    result: SimulationResult
+    cost: CostModel
+    verify: bool = False  # check every pool invariant after each admission
+    queue: deque[tuple[int, TraceRequest]] = field(default_factory=deque)
+    pending: dict[int, int] = field(default_factory=dict)
+    running: list[tuple[float, int, TraceRequest]] = field(default_factory=list)
+    running_tokens: int = 0
+    prefill_free_at: float = 0.0
+    now: float = 0.0
+    blocked_until: float = -math.inf
+    load: int = 0
+    prefill_tokens: int = 0  # uncached prompt tokens served, the compute spent
+    ttfts: list[float] = field(default_factory=list)
+
+    @classmethod
+    def of(
+        cls, policy: EvictionPolicy, mode: str, cost: CostModel, verify: bool = False
+    ) -> Replica:
+        """An empty replica whose pool runs ``policy``."""
+        result = SimulationResult(policy.describe(), policy.capacity, mode)
+        return cls(BlockPool(policy), result, cost, verify)
+
+    def cached_prefix(self, keys: Sequence[int]) -> int:
+        """Blocks of ``keys``' prefix cached here or held by a queued request."""
+        pool, pending = self.pool, self.pending
+        for position, key in enumerate(keys):
+            if not (pool.is_cached(key) or key in pending):
+                return position
+        return len(keys)
+
+    def serve_alone(self, request: TraceRequest) -> float:
+        """Sequential mode: serve ``request`` now, alone; returns when it would finish
+        unqueued (its arrival for a rejected request)."""
+        pool, cost = self.pool, self.cost
+        keys = request.keys
+        if len(keys) > pool.capacity:
+            count_rejected(self.result, request, pool.policy)
+            return request.timestamp_s
+        hits = pool.take(keys, request.max_hit_blocks)
+        pool.give_back(keys)
+        count_served(self.result, request, hits)
+        if self.verify:
+            pool.verify()
+        uncached = request.input_length - hits * request.block_tokens
+        self.prefill_tokens += uncached
+        return (
+            request.timestamp_s
+            + cost.step_seconds
+            + uncached * cost.prefill_seconds_per_token
+            + request.output_length * cost.decode_seconds_per_token
+        )
+
+    def enqueue(self, position: int, request: TraceRequest) -> None:
+        """Overlapping mode: ``request`` (at ``position`` in the trace) joins the queue."""
+        self.queue.append((position, request))
+        pending = self.pending
+        for key in request.keys:
+            pending[key] = pending.get(key, 0) + 1
+        self.load += 1
+
+    def advance(self, limit: float) -> None:
+        """Overlapping mode: every admission and completion up to ``limit``, in order.
+
+        The queue's head is rejected when larger than the pool, else admitted at
+        max(now, its arrival) once the pool can pin its blocks and the batch has room for
+        its tokens, completions releasing their blocks first; later requests wait behind it.
+        """
+        if self.blocked_until > limit:
+            return  # the head still waits, and nothing completes before ``limit``
+        pool, queue, running = self.pool, self.queue, self.running
+        while queue:
+            position, request = queue[0]
+            if len(request.keys) > pool.capacity:
+                self._unqueue()
+                count_rejected(self.result, request, pool.policy)
+                self.load -= 1
+                continue
+            now = max(self.now, request.timestamp_s)
+            while running and (running[0][0] <= now or not self._admissible(request)):
+                if running[0][0] > limit:
+                    self.now, self.blocked_until = now, running[0][0]
+                    return  # the head waits for a completion after ``limit``
+                finish, _position, done = heapq.heappop(running)
+                now = max(now, finish)
+                self._release(done)
+            self.now = now
+            self._unqueue()
+            self._admit(position, request)
+        while running and running[0][0] <= limit:
+            self._release(heapq.heappop(running)[2])
+
+    def _unqueue(self) -> None:
+        _position, request = self.queue.popleft()
+        self.blocked_until = -math.inf
+        pending = self.pending
+        for key in request.keys:
+            count = pending[key] - 1
+            if count:
+                pending[key] = count
+            else:
+                del pending[key]
+
+    def _admissible(self, request: TraceRequest) -> bool:
+        pool = self.pool
+        if pool.num_pinned + pool.blocks_to_pin(request.keys) > pool.capacity:
+            return False
+        tokens = request.input_length + request.output_length
+        return not self.running or self.running_tokens + tokens <= self.cost.max_batch_tokens
+
+    def _release(self, done: TraceRequest) -> None:
+        self.pool.give_back(done.keys)
+        self.running_tokens -= done.input_length + done.output_length
+        self.load -= 1
+
+    def _admit(self, position: int, request: TraceRequest) -> None:
+        cost = self.cost
+        hits = self.pool.take(request.keys, request.max_hit_blocks)
+        count_served(self.result, request, hits)
+        uncached = request.input_length - hits * request.block_tokens
+        self.prefill_tokens += uncached
+        prefill_start = max(self.now, self.prefill_free_at)
+        prefill_end = prefill_start + cost.step_seconds + uncached * cost.prefill_seconds_per_token
+        self.prefill_free_at = prefill_end
+        self.ttfts.append(prefill_end - request.timestamp_s)
+        finish = prefill_end + request.output_length * cost.decode_seconds_per_token
+        heapq.heappush(self.running, (finish, position, request))
+        self.running_tokens += request.input_length + request.output_length
+        if self.verify:
+            self.pool.verify()
+
+
+# Places a request on one of the replicas; called once per request, at its arrival, in order.
+Route = Callable[[TraceRequest], int]
+
+
+def replay_sequential(
+    requests: Sequence[TraceRequest], replicas: Sequence[Replica], route: Route
+) -> None:
+    """Sequential mode: each request, in file order, served alone on the replica ``route``
+    picks. A replica's ``load`` counts the requests routed to it that have not finished
+    their unqueued service time by the next arrival."""
+    in_flight: list[tuple[float, int]] = []  # (finish time, replica)
+    for request in requests:
+        while in_flight and in_flight[0][0] <= request.timestamp_s:
+            replicas[heapq.heappop(in_flight)[1]].load -= 1
+        chosen = route(request)
+        replica = replicas[chosen]
+        finish = replica.serve_alone(request)
+        replica.load += 1
+        heapq.heappush(in_flight, (finish, chosen))
+
+
+def replay_overlapping(
+    requests: Sequence[TraceRequest], replicas: Sequence[Replica], route: Route
+) -> None:
+    """Overlapping mode: at each arrival every replica is advanced to it (admissions and
+    completions up to then have happened, later ones have not), then the request joins the
+    queue of the replica ``route`` picks; at the end every replica runs dry."""
+    for position, request in enumerate(requests):
+        now = request.timestamp_s
+        for replica in replicas:
+            replica.advance(now)
+        chosen = replicas[route(request)]
+        chosen.enqueue(position, request)
+        chosen.advance(now)
+    for replica in replicas:
+        replica.advance(math.inf)
+
+
+def _only_replica(request: TraceRequest) -> int:
+    del request  # one replica takes every request
+    return 0
+
+
+def simulate_sequential(
+    requests: Sequence[TraceRequest], policy: EvictionPolicy, *, verify: bool = False
+) -> SimulationResult:
+    """The sequential mode; ``verify`` checks every invariant after each request."""
+    replica = Replica.of(policy, "sequential", CostModel(), verify)
+    started = time.perf_counter()
+    replay_sequential(requests, [replica], _only_replica)
+    return _finish(replica.result, replica.pool, started)
+
+
 def simulate_overlapping(
     requests: Sequence[TraceRequest],
     policy: EvictionPolicy,
@@ -205,62 +403,11 @@ def simulate_overlapping(
     verify: bool = False,
 ) -> SimulationResult:
     """Requests overlap in time; see the module docstring and ``CostModel``."""
-    cost = cost or CostModel()
-    pool = BlockPool(policy)
-    result = SimulationResult(policy.describe(), policy.capacity, "overlapping")
+    replica = Replica.of(policy, "overlapping", cost or CostModel(), verify)
     started = time.perf_counter()
-    ttfts: list[float] = []
-    running: list[tuple[float, int]] = []  # (finish time, request index)
-    running_tokens = 0
-    prefill_free_at = 0.0
-    now = 0.0
-    next_admit = 0  # first-come first-served: requests[next_admit] waits for everything
-
-    def admissible(request: TraceRequest) -> bool:
-        if pool.num_pinned + pool.blocks_to_pin(request.keys) > pool.capacity:
-            return False
-        tokens = request.input_length + request.output_length
-        return not running or running_tokens + tokens <= cost.max_batch_tokens
-
-    while next_admit < len(requests):
-        request = requests[next_admit]
-        if len(request.keys) > pool.capacity:
-            count_rejected(result, request, policy)
-            next_admit += 1
-            continue
-        now = max(now, request.timestamp_s)
-        # Release everything that finished by now, then admit in order while possible.
-        while running and (running[0][0] <= now or not admissible(request)):
-            finish, index = heapq.heappop(running)
-            now = max(now, finish)
-            done = requests[index]
-            pool.give_back(done.keys)
-            running_tokens -= done.input_length + done.output_length
-        hits = pool.take(request.keys, request.max_hit_blocks)
-        count_served(result, request, hits)
-        cached = hits * request.block_tokens
-        prefill_start = max(now, prefill_free_at)
-        prefill_end = (
-            prefill_start
-            + cost.step_seconds
-            + (request.input_length - cached) * cost.prefill_seconds_per_token
-        )
-        prefill_free_at = prefill_end
-        ttfts.append(prefill_end - request.timestamp_s)
-        finish = prefill_end + request.output_length * cost.decode_seconds_per_token
-        heapq.heappush(running, (finish, next_admit))
-        running_tokens += request.input_length + request.output_length
-        next_admit += 1
-        if verify:
-            pool.verify()
-    while running:
-        _finish_time, index = heapq.heappop(running)
-        pool.give_back(requests[index].keys)
-    ttfts.sort()
-    result.ttft_p50_s = percentile(ttfts, 0.50)
-    result.ttft_p90_s = percentile(ttfts, 0.90)
-    result.ttft_p99_s = percentile(ttfts, 0.99)
-    return _finish(result, pool, started)
+    replay_overlapping(requests, [replica], _only_replica)
+    record_ttfts(replica.result, replica.ttfts)
+    return _finish(replica.result, replica.pool, started)
 
 
 def simulate(
