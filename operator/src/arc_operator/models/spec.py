@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -30,6 +30,8 @@ class SwitchMode(enum.StrEnum):
     RESTART = "Restart"  # rolling restart of the pods (maxUnavailable 0)
 
 
+# The flag that turns vLLM's prefix caching off: owned, and what kv_aware routing cannot lose.
+NO_PREFIX_CACHING = "--no-enable-prefix-caching"
 # vLLM arguments the operator sets itself; engineArgs may not repeat or contradict them.
 OWNED_ENGINE_ARGS = frozenset(
     {
@@ -39,7 +41,7 @@ OWNED_ENGINE_ARGS = frozenset(
         "--served-model-name",
         "--block-size",
         "--enable-prefix-caching",
-        "--no-enable-prefix-caching",
+        NO_PREFIX_CACHING,
         "--num-gpu-blocks-override",
         "--gpu-memory-utilization",
         "--max-model-len",
@@ -453,6 +455,8 @@ class ServingPolicySpec(FrozenModel):
         owned_args = sorted({flag for arg in self.engine_args if (flag := _owned_flag(arg))})
         if self.routing_policy is RoutingPolicy.KV_AWARE:
             problems += self._kv_aware_problems(owned_args)
+            # Reported there, with the reason kv_aware needs prefix caching.
+            owned_args = [flag for flag in owned_args if flag != NO_PREFIX_CACHING]
         problems += self._router_arg_problems()
         if "--api-key" in owned_args:
             owned_args.remove("--api-key")
@@ -478,13 +482,13 @@ class ServingPolicySpec(FrozenModel):
             raise ValueError("; ".join(problems))
         return self
 
-    def _kv_aware_problems(self, owned_args: list[str]) -> list[str]:
-        """kv_aware routes by the pods' prefix-cache events: prefix caching must stay on, and
-        the event publisher and scale-out endpoints are the operator's (``owned_args`` loses
-        the flag reported here)."""
+    def _kv_aware_problems(self, owned_args: Sequence[str]) -> list[str]:
+        """kv_aware routes by the pods' prefix-cache events: prefix caching must stay on
+        (``owned_args``, the owned flags engineArgs set, must not hold
+        ``NO_PREFIX_CACHING``), and the event publisher and scale-out endpoints are the
+        operator's."""
         problems = []
-        if "--no-enable-prefix-caching" in owned_args:
-            owned_args.remove("--no-enable-prefix-caching")
+        if NO_PREFIX_CACHING in owned_args:
             problems.append(
                 "engineArgs may not set --no-enable-prefix-caching: routing.policy kv_aware "
                 "routes by the pods' prefix-cache events"
