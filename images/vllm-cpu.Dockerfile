@@ -3,9 +3,15 @@
 # from the repository root:
 #   docker build -f images/vllm-cpu.Dockerfile -t ghcr.io/arc-serving/vllm-cpu:0.1.0 .
 
+# The arc-evictor wheel holds the policy core compiled by mypyc for this Python (cp311, the
+# serving stage's): the build fetches mypy, and mypyc needs a C compiler and the C library's
+# headers (libc6-dev pinned to Debian bookworm's current libc6, which apt upgrades to match).
 FROM python:3.11.11-slim-bookworm AS wheel
 WORKDIR /src
-RUN pip install --no-cache-dir "build==1.2.2.post1"
+RUN apt-get update \
+    && apt-get install --yes --no-install-recommends gcc=4:12.2.0-3 libc6-dev=2.36-9+deb12u14 \
+    && rm -rf /var/lib/apt/lists/* \
+    && pip install --no-cache-dir "build==1.2.2.post1"
 COPY common ./common
 COPY evictor ./evictor
 RUN python -m build --wheel --outdir /dist common \

@@ -1,18 +1,20 @@
 # syntax=docker/dockerfile:1.7
 # vLLM (GPU) with the arc-evictor plugin: the official vLLM OpenAI server image, pinned to the
 # newest vLLM release the plugin supports (0.33.0; docs/plugin.md), plus the plugin's two
-# pure-Python wheels (arc-evictor and the shared contracts it reads). Build from the repository
-# root:
+# wheels: arc-evictor, with its policy core compiled by mypyc, and the shared contracts it
+# reads. Build from the repository root:
 #   docker build -f images/vllm.Dockerfile -t ghcr.io/arc-serving/vllm:0.1.0 .
 
-# Stage 1: the wheels (pure Python; built once, installed without dependencies).
-FROM python:3.11.11-slim-bookworm AS wheel
+# Stage 1: the wheels, built on the serving image itself, so the compiled policy core is for
+# its Python and its C library whatever they are (the image carries the C compiler that
+# torch.compile and Triton need, which mypyc uses too). Installed without dependencies.
+FROM vllm/vllm-openai:v0.33.0 AS wheel
 WORKDIR /src
-RUN pip install --no-cache-dir "build==1.2.2.post1"
+RUN python3 -m pip install --no-cache-dir "build==1.2.2.post1"
 COPY common ./common
 COPY evictor ./evictor
-RUN python -m build --wheel --outdir /dist common \
-    && python -m build --wheel --outdir /dist evictor
+RUN python3 -m build --wheel --outdir /dist common \
+    && python3 -m build --wheel --outdir /dist evictor
 
 # Stage 2: the serving image. The base brings vllm, torch and prometheus-client.
 FROM vllm/vllm-openai:v0.33.0

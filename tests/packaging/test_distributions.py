@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import email.parser
+import os
 import re
 import shutil
 import subprocess
@@ -61,7 +62,7 @@ def wheels(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         source = shutil.copytree(
             REPO / folder,
             sources / folder,
-            ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"),
+            ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__", "*.so"),
         )
         subprocess.run(
             [sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", str(out)],
@@ -130,6 +131,40 @@ def test_plugin_wheel_needs_nothing_a_vllm_image_lacks(wheels: dict[str, Path]) 
     assert modules == {"__init__.py", "policies", "vllm_plugin"}
 
 
+def test_plugin_wheel_holds_the_compiled_policy_core_next_to_its_sources(
+    wheels: dict[str, Path],
+) -> None:
+    wheel = wheels["arc-evictor"]
+    tag = f"cp{sys.version_info.major}{sys.version_info.minor}"
+    assert f"-{tag}-{tag}-" in wheel.name, wheel.name  # built for this Python, not py3-none-any
+    with zipfile.ZipFile(wheel) as archive:
+        names = set(archive.namelist())
+    policies = "arc_evictor/policies/"
+    compiled = {n.removeprefix(policies).split(".")[0] for n in names if n.endswith(".so")}
+    assert compiled == {"core__mypyc", "base", "lru", "arc", "lfu", "s3fifo", "sieve", "trio"}
+    for name in compiled - {"core__mypyc"}:
+        assert f"{policies}{name}.py" in names  # the pure-Python fallback ships too
+
+
+def test_pure_python_build_gives_a_universal_wheel(tmp_path: Path) -> None:
+    source = shutil.copytree(
+        REPO / "evictor",
+        tmp_path / "evictor",
+        ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__", "*.so"),
+    )
+    subprocess.run(
+        [sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", str(tmp_path)],
+        cwd=source,
+        env={**os.environ, "ARC_EVICTOR_PURE_PYTHON": "1"},
+        check=True,
+        capture_output=True,
+    )
+    (wheel,) = tmp_path.glob("arc_evictor-*.whl")
+    assert wheel.name.endswith("-py3-none-any.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        assert not [n for n in archive.namelist() if n.endswith(".so")]
+
+
 def test_vllm_extra_leaves_the_build_to_the_user(wheels: dict[str, Path]) -> None:
     requires = metadata(wheels["arc-evictor"]).get_all("Requires-Dist") or []
     by_extra: dict[str, set[str]] = {}
@@ -180,7 +215,7 @@ def test_installed_simulator_reads_its_packaged_sample(
 @pytest.mark.parametrize("image", IMAGES)
 def test_image_builds_and_receives_only_its_products(image: str) -> None:
     dockerfile = (REPO / "images" / f"{image}.Dockerfile").read_text(encoding="utf-8")
-    built = re.findall(r"python -m build --wheel --outdir /dist (\w+)", dockerfile)
+    built = re.findall(r"python3? -m build --wheel --outdir /dist (\w+)", dockerfile)
     assert built == IMAGES[image]
     ignore = (REPO / "images" / f"{image}.Dockerfile.dockerignore").read_text(encoding="utf-8")
     admitted = {line[1:].split("/")[0] for line in ignore.splitlines() if line.startswith("!")}

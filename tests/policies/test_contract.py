@@ -229,3 +229,48 @@ def test_unknown_policy_name_lists_the_valid_names(name: str) -> None:
 def test_capacity_below_one_is_rejected(name: str, capacity: int) -> None:
     with pytest.raises(PolicyError, match="capacity must be at least 1"):
         make_policy(name, capacity)
+
+
+def copy_entry(key: object) -> object:
+    """A further copy's entry, as the vLLM plugin names one."""
+    return ("copy", key)
+
+
+def test_batched_calls_leave_the_state_of_the_per_key_calls(name: str) -> None:
+    batched, single = warmed(name, 16), warmed(name, 16)
+    # Misses, keys that may be resident (they get a copy's entry) and a block without a key.
+    request = [100, 101, None, 102, 5, 103, 104, 7, 105]
+
+    free = batched.capacity - len(batched)  # blocks that hold no key
+    entries, victims = batched.allocate(request, free, copy_entry)
+    expected: list[object] = [None] * len(request)
+    evicted: list[object] = []
+    for index in range(len(request) - 1, -1, -1):
+        key = request[index]
+        if key is not None:
+            key = copy_entry(key) if key in single else key
+            single.find(key)
+        if free:
+            free -= 1
+        else:
+            evicted.append(single.to_evict())
+            single.evict(evicted[-1])
+        if key is not None:
+            single.insert(key)
+            expected[index] = key
+    assert (entries, victims) == (expected, evicted)
+    assert snapshot(batched) == snapshot(single)
+
+    released = [entry for entry in reversed(entries) if entry is not None]
+    batched.release(released)
+    for key in released:
+        single.unpin(key)
+    assert snapshot(batched) == snapshot(single)
+
+    prefix = released[:4]
+    batched.touch(prefix, [True, True, True, True])
+    for key in prefix:
+        single.pin(key)
+        single.find(key)
+    assert snapshot(batched) == snapshot(single)
+    batched.verify()

@@ -13,6 +13,10 @@ from collections.abc import Sequence
 from arc_evictor.policies.base import EvictionPolicy, Key
 
 
+def _no_copy(key: Key) -> Key:
+    raise AssertionError(f"policy reports {key!r} resident but the pool has it uncached")
+
+
 class PoolExhausted(ValueError):
     """No free block and no unpinned cached block: every block is in use."""
 
@@ -69,21 +73,14 @@ class BlockPool:
         refs = self._refs
         return sum(1 for key in keys if key not in refs)
 
-    def _cache_miss(self, key: Key) -> None:
-        policy = self.policy
+    def _cache_misses(self, keys: list[Key]) -> None:
+        """Cache ``keys`` (head first, none of them cached), evicting once no block is free."""
         cached = self._cached
-        found = policy.find(key)
-        assert not found, f"policy reports {key!r} resident but the pool has it uncached"
-        while len(cached) >= self.capacity:
-            victim = policy.to_evict()
-            if victim is None:
-                raise RuntimeError("policy named no victim although unpinned blocks exist")
-            policy.evict(victim)
-            cached.remove(victim)
-            self.evictions += 1
-        policy.insert(key)
-        cached.add(key)
-        self._refs[key] = 1
+        _entries, victims = self.policy.allocate(keys, self.capacity - len(cached), _no_copy)
+        cached.difference_update(victims)
+        self.evictions += len(victims)
+        cached.update(keys)
+        self._refs.update(dict.fromkeys(keys, 1))
 
     def remove(self, key: Key) -> None:
         """Drop cached, unpinned ``key`` without history (prefix-cache reset)."""
@@ -119,37 +116,43 @@ class BlockPool:
         if max_hits is not None:
             hits = min(hits, max_hits)
         cached = self._cached
-        misses = []
-        for key in reversed(keys[:hits]):
-            self._take_cached(key)
-        for key in reversed(keys[hits:]):
-            if key in cached:
-                self._take_cached(key)
-            else:
-                misses.append(key)
-        for key in misses:
-            self._cache_miss(key)
-        return hits
-
-    def _take_cached(self, key: Key) -> None:
         refs = self._refs
-        count = refs.get(key, 0)
-        if not count:
-            self.policy.pin(key)
-        refs[key] = count + 1
-        self.policy.find(key)
+        # The cached blocks in one policy call, tail first: the prefix, then the others.
+        taken = [*reversed(keys[:hits]), *(key for key in reversed(keys[hits:]) if key in cached)]
+        if refs:
+            newly_pinned = []
+            for key in taken:
+                count = refs.get(key, 0)
+                newly_pinned.append(not count)
+                refs[key] = count + 1
+        else:  # nothing held (always so in sequential mode): every block is pinned anew
+            newly_pinned = [True] * len(taken)
+            refs.update(dict.fromkeys(taken, 1))
+        if taken:
+            self.policy.touch(taken, newly_pinned)
+        misses = [key for key in keys[hits:] if key not in cached]
+        if misses:
+            self._cache_misses(misses)
+        return hits
 
     def give_back(self, keys: Sequence[Key]) -> None:
         """A finished request releases its blocks tail first, as vLLM does."""
         refs = self._refs
-        unpin = self.policy.unpin
+        if len(refs) == len(keys) and sum(refs.values()) == len(keys):
+            # Only this request holds blocks (always so in sequential mode; its keys are
+            # distinct and all held): every block is released.
+            refs.clear()
+            self.policy.release(keys[::-1])
+            return
+        released = []
         for key in reversed(keys):
             count = refs[key]
             if count == 1:
                 del refs[key]
-                unpin(key)
+                released.append(key)
             else:
                 refs[key] = count - 1
+        self.policy.release(released)
 
     def verify(self) -> None:
         """Check the pool's invariants, then the policy's."""

@@ -8,7 +8,9 @@ also reports statistics for metrics (``ReportsStatistics``).
 from __future__ import annotations
 
 from collections.abc import Callable
+from importlib.machinery import EXTENSION_SUFFIXES
 
+from arc_evictor.policies import arc, base, lfu, lru, s3fifo, sieve, trio
 from arc_evictor.policies.arc import ARC, DBL
 from arc_evictor.policies.base import EvictionPolicy, Key, PolicyError
 from arc_evictor.policies.lru import LRU
@@ -27,6 +29,16 @@ REGISTRY: dict[str, PolicyFactory] = {
     "sieve": Sieve,
     "trio": FollowTheLeader,
 }
+
+
+def compiled() -> bool:
+    """True when every policy module was loaded from its compiled extension (mypyc), False
+    when every one is Python source; a mix means a broken build and raises RuntimeError."""
+    modules = (base, lru, arc, lfu, s3fifo, sieve, trio)
+    native = {m.__name__: (m.__file__ or "").endswith(tuple(EXTENSION_SUFFIXES)) for m in modules}
+    if len(set(native.values())) != 1:
+        raise RuntimeError(f"policy modules partly compiled: {native}")
+    return native["arc_evictor.policies.base"]
 
 
 def policy_names() -> list[str]:
@@ -61,6 +73,7 @@ __all__ = [
     "ReportsStatistics",
     "Sieve",
     "Trio",
+    "compiled",
     "make_policy",
     "policy_names",
 ]

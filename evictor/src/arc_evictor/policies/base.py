@@ -22,13 +22,33 @@ Calls from the pool, for one block access by a request:
 
 ``remove(key)`` drops a resident, unpinned key without keeping history (prefix
 cache reset, explicit invalidation).
+
+Batched calls, one per pool operation instead of one per block (the pool's loop then
+costs no Python call per block when the policies are compiled); each is exactly the
+per-key calls above in the order given, and a policy may override one with a shorter
+path that leaves the same state:
+
+- ``touch(keys, newly_pinned)``: a request commits its cached prefix (tail first);
+- ``allocate(keys, free, copy)``: a request's new blocks, tail first, with ``free``
+  blocks free that hold no key (the pool evicts only once those are used up);
+- ``release(keys)``: a request's last user releases its cached keys.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Hashable, Iterator
-from typing import ClassVar
+from collections.abc import Callable, Hashable, Iterator, Sequence
+from typing import ClassVar, TypeVar
+
+_T = TypeVar("_T")
+
+try:
+    from mypy_extensions import mypyc_attr
+except ImportError:  # mypyc reads the decorator at build time; no run-time dependency
+
+    def mypyc_attr(*attrs: str, **kwattrs: object) -> Callable[[_T], _T]:
+        return lambda cls: cls
+
 
 Key = Hashable
 
@@ -37,6 +57,8 @@ class PolicyError(ValueError):
     """A policy was asked for by a name or with parameters it does not accept."""
 
 
+# The simulator's Belady oracle and test doubles subclass this in plain Python.
+@mypyc_attr(allow_interpreted_subclasses=True)
 class EvictionPolicy(ABC):
     """Base class: capacity and the call protocol above.
 
@@ -122,6 +144,54 @@ class EvictionPolicy(ABC):
             self.insert(key)
         self.unpin(key)
         return hit
+
+    def touch(self, keys: Sequence[Key], newly_pinned: Sequence[bool]) -> None:
+        """A request commits its cached prefix, given tail first: for each key, ``pin``
+        when ``newly_pinned`` (its reference count goes 0 -> 1), then ``find``."""
+        for index in range(len(keys)):
+            key = keys[index]
+            if newly_pinned[index]:
+                self.pin(key)
+            self.find(key)
+
+    def allocate(
+        self, keys: Sequence[Key | None], free: int, copy: Callable[[Key], Key]
+    ) -> tuple[list[Key | None], list[Key]]:
+        """New blocks for ``keys`` (head first, None: a block without a key), tail first.
+
+        Per block: ``find`` its entry (the key, or ``copy(key)`` while the key itself is
+        resident: a further copy), take one of the ``free`` blocks that hold no key or
+        else evict ``to_evict()``'s victim, then ``insert`` the entry. Returns each
+        block's entry (head first) and the victims in eviction order. Raises
+        RuntimeError when no victim is left; the caller checked there is one.
+        """
+        entries: list[Key | None] = [None] * len(keys)
+        victims: list[Key] = []
+        for index in range(len(keys) - 1, -1, -1):
+            key = keys[index]
+            if key is not None:
+                if key in self:
+                    key = copy(key)
+                self.find(key)  # a ghost hit adapts ARC's target before the victim
+            if free:
+                free -= 1
+            else:
+                victim = self.to_evict()
+                if victim is None:
+                    raise RuntimeError(
+                        f"policy {self.describe()} named no victim with {len(self)} resident keys"
+                    )
+                self.evict(victim)
+                victims.append(victim)
+            if key is not None:
+                self.insert(key)
+                entries[index] = key
+        return entries, victims
+
+    def release(self, keys: Sequence[Key]) -> None:
+        """``unpin`` each key, in the order given (a finished request: tail first)."""
+        for key in keys:
+            self.unpin(key)
 
     def describe(self) -> str:
         """The policy with its parameters, e.g. ``s3fifo-0.10-2``."""

@@ -11,12 +11,14 @@ blocks (head = least recently released).
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 
-from arc_evictor.policies.base import EvictionPolicy, Key
+from arc_evictor.policies.base import EvictionPolicy, Key, mypyc_attr
 from arc_evictor.policies.statistics import PolicyCounters, ReportsStatistics
 
 
+# The simulator's online bound subclasses it in plain Python.
+@mypyc_attr(allow_interpreted_subclasses=True)
 class LRU(EvictionPolicy, ReportsStatistics):
     """Least recently released first.
 
@@ -59,6 +61,47 @@ class LRU(EvictionPolicy, ReportsStatistics):
     def evict(self, key: Key) -> None:
         del self._order[key]
         self.counters.count_eviction("lru")
+
+    # The batched calls inline: LRU's find changes nothing, so each is a few dict operations.
+    def touch(self, keys: Sequence[Key], newly_pinned: Sequence[bool]) -> None:
+        order, pinned = self._order, self._pinned
+        for index in range(len(keys)):
+            if newly_pinned[index]:
+                key = keys[index]
+                del order[key]
+                pinned.add(key)
+
+    def allocate(
+        self, keys: Sequence[Key | None], free: int, copy: Callable[[Key], Key]
+    ) -> tuple[list[Key | None], list[Key]]:
+        order, pinned = self._order, self._pinned
+        entries: list[Key | None] = [None] * len(keys)
+        victims: list[Key] = []
+        for index in range(len(keys) - 1, -1, -1):
+            key = keys[index]
+            if key is not None and (key in order or key in pinned):
+                key = copy(key)  # before the eviction, as ``find`` comes first
+            if free:
+                free -= 1
+            elif order:
+                victim = next(iter(order))
+                del order[victim]
+                victims.append(victim)
+            else:
+                raise RuntimeError(f"policy lru named no victim with {len(self)} resident keys")
+            if key is not None:
+                pinned.add(key)
+                entries[index] = key
+        if victims:
+            evictions = self.counters.evictions
+            evictions["lru"] = evictions.get("lru", 0) + len(victims)
+        return entries, victims
+
+    def release(self, keys: Sequence[Key]) -> None:
+        order, pinned = self._order, self._pinned
+        for key in keys:
+            pinned.remove(key)
+            order[key] = None
 
     def remove(self, key: Key) -> None:
         del self._order[key]

@@ -123,7 +123,9 @@ class S3FIFO(EvictionPolicy, ReportsStatistics):
         *,
         small_ratio: float = 0.1,
         ghost_ratio: float = 0.9,
-        move_to_main_threshold: int = 2,
+        # ``object``: checked below, so a float gets PolicyError, not the compiled core's
+        # TypeError at the call.
+        move_to_main_threshold: object = 2,
     ) -> None:
         super().__init__(capacity)
         self.counters = PolicyCounters()

@@ -119,7 +119,8 @@ class MiniatureJudge:
         # Half a miniature cache-full: the slow score decay, not the window, smooths the choice.
         self.window = max(64, mini_capacity // 2)
         self._scores = [0.0, 0.0, 0.0]
-        self._window_hits = [0, 0, 0]
+        # Floats: ``credit`` may add a fraction of a hit.
+        self._window_hits = [0.0, 0.0, 0.0]
         self._window_count = 0
         self._leader = _ARC
 
@@ -141,6 +142,12 @@ class MiniatureJudge:
     def miniature(self, expert: str) -> ARC | LRU | LFU:
         """The miniature cache that scores ``expert``."""
         return self._miniatures[_expert_index(expert)]
+
+    @property
+    def arc_miniature(self) -> ARC:
+        """The ARC expert's miniature (its target ``p`` seeds the real ARC's)."""
+        arc, _lru, _lfu = self._miniatures
+        return arc
 
     def sampled(self, key: Key) -> bool:
         """Whether the miniatures see ``key`` (the same answer in every process)."""
@@ -169,7 +176,7 @@ class MiniatureJudge:
         scores, hits = self._scores, self._window_hits
         for index in range(len(EXPERTS)):
             scores[index] = scores[index] * SCORE_DECAY + hits[index]
-            hits[index] = 0
+            hits[index] = 0.0
         self._window_count = 0
         self._leader = max(range(len(EXPERTS)), key=lambda index: (scores[index], -index))
 
@@ -177,7 +184,7 @@ class MiniatureJudge:
         for miniature in self._miniatures:
             miniature.clear()
         self._scores = [0.0, 0.0, 0.0]
-        self._window_hits = [0, 0, 0]
+        self._window_hits = [0.0, 0.0, 0.0]
         self._window_count = 0
         self._leader = _ARC
 
@@ -283,7 +290,7 @@ class FollowTheLeader(EvictionPolicy, ReportsStatistics):
     def _reload_arc(self) -> None:
         """LFU loses the lead: the ARC takes the keys back (module docstring)."""
         counts, t2_keys, capacity = self._counts, self._t2_keys, self.capacity
-        mini = self.judge.miniature("arc")
+        mini = self.judge.arc_miniature
         self._arc.reload(
             ((key, key in t2_keys) for key in counts.released()),
             ((key, key in t2_keys) for key in self._pinned),

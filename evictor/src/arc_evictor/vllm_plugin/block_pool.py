@@ -136,28 +136,30 @@ class PolicyBlockPool(BlockPool):
       entry per block, for its primary hash.
 
     ``BlockPool`` calls mapped onto the policy's call protocol (``arc_evictor.policies.base``;
-    ``docs/plugin.md``):
+    ``docs/plugin.md``), one batched policy call per pool call on the hot paths:
 
-    - ``touch`` (ref 0 -> 1 of a cached block: a committed hit): the request's cached prefix,
-      tail first (vLLM passes it head first), each block ``pin`` then ``find`` (a policy never
-      re-orders a block ``pin`` takes out);
-    - ``get_new_blocks``: each new block, tail first: ``find`` -> (``to_evict`` + ``evict``
-      while no block without a hash is free) -> ``insert``, where the incoming key is known
-      from the request being allocated (its ``Allocation``). The blocks are taken in vLLM's
-      free-queue order and handed out head first, as ``popleft_n`` does, so with ``lru`` the
-      block ids, their order and the KV events are vLLM's own;
+    - ``touch`` (ref 0 -> 1 of a cached block: a committed hit): ``policy.touch``, the
+      request's cached prefix tail first (vLLM passes it head first), each block ``pin`` then
+      ``find`` (a policy never re-orders a block ``pin`` takes out);
+    - ``get_new_blocks``: ``policy.allocate``, each new block tail first: ``find`` ->
+      (``to_evict`` + ``evict`` once the blocks without a hash are used) -> ``insert``, where
+      the incoming key is known from the request being allocated (its ``Allocation``). The
+      blocks are taken in vLLM's free-queue order (the blocks without a hash, then the
+      victims') and handed out head first, as ``popleft_n`` does, so with ``lru`` the block
+      ids, their order and the KV events are vLLM's own;
     - ``cache_full_blocks``: a block gets its hash; its entry was inserted at allocation, or
       is inserted now when the allocation had no key for it;
     - ``cache_partial_block`` (a full-attention group whose blocks are larger than the hash
       unit registers the prompt's last hash boundary inside a block): a block that holds a
       hash keeps its entry, the partial key is vLLM's lookup metadata and leaves vLLM's map
       with the block; a held block without a hash takes the partial key as its entry's;
-    - ``free_blocks``: ref 1 -> 0: ``unpin`` in vLLM's order (tail first);
+    - ``free_blocks``: ref 1 -> 0: ``policy.release``, ``unpin`` in vLLM's order (tail
+      first);
     - ``evict_blocks`` / ``reset_prefix_cache``: ``remove`` / ``clear``.
 
     Cost: per block the hot paths (``touch``, ``get_new_blocks``, ``free_blocks``) do what
-    vLLM's free queue does plus one list read of ``_key_of`` and the policy calls of the
-    protocol (``arc_dev.bench.plugin`` measures both).
+    vLLM's free queue does plus one list read of ``_key_of``, and each makes one policy call
+    for all its blocks (``arc_dev.bench.plugin`` measures both).
     """
 
     def __init__(self, *args: Any, policy_name: str, **kwargs: Any) -> None:
@@ -179,7 +181,11 @@ class PolicyBlockPool(BlockPool):
 
     def _entry_for(self, key: Key) -> Entry:
         """The entry a new block holding ``key`` gets: the key, or a copy's if it is taken."""
-        return (key, next(self._copies)) if key in self._block_of else key
+        return self._copy_entry(key) if key in self._block_of else key
+
+    def _copy_entry(self, key: Key) -> Entry:
+        """A further copy's entry for ``key``, whose own entry is resident."""
+        return (key, next(self._copies))
 
     # ----------------------------------------------------------------- free-block accounting
     def get_num_free_blocks(self) -> int:
@@ -187,9 +193,9 @@ class PolicyBlockPool(BlockPool):
 
     # ----------------------------------------------------------------------------- hits
     def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
-        policy, key_of, metrics = self.policy, self._key_of, self.metrics_collector
-        pin, find = policy.pin, policy.find
-        hits = pinned = 0
+        key_of, metrics = self._key_of, self.metrics_collector
+        entries: list[Entry] = []
+        newly_pinned: list[bool] = []
         # vLLM passes the prefix head first; the protocol (and the simulator) take it tail first.
         for block in reversed(blocks):
             entry = key_of[block.block_id]
@@ -201,18 +207,17 @@ class PolicyBlockPool(BlockPool):
                 if block.ref_cnt == 0:
                     self.free_block_queue.remove(block)
             else:
-                if block.ref_cnt == 0:
-                    # The protocol pins a cached entry before its find.
-                    pin(entry)
-                    pinned += 1
-                find(entry)
-                hits += 1
+                # The protocol pins a cached entry (ref 0 -> 1) before its find.
+                entries.append(entry)
+                newly_pinned.append(block.ref_cnt == 0)
             block.ref_cnt += 1
             if metrics:
                 metrics.on_block_accessed(block)
-        self._num_evictable -= pinned
-        if self.allocation is not None:
-            self.block_hits += hits
+        if entries:
+            self.policy.touch(entries, newly_pinned)
+            self._num_evictable -= newly_pinned.count(True)
+            if self.allocation is not None:
+                self.block_hits += len(entries)
 
     # ------------------------------------------------------------------------ allocation
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
@@ -226,46 +231,28 @@ class PolicyBlockPool(BlockPool):
         if allocation is not None:
             # Later calls in the same allocation (another group, a CoW block) get no keys.
             allocation.start = None
-        policy, block_of, key_of = self.policy, self._block_of, self._key_of
-        find, metrics = policy.find, self.metrics_collector
+        block_of, key_of, metrics = self._block_of, self._key_of, self.metrics_collector
         queue = self.free_block_queue
-        # vLLM reports every block it reuses with caching on as evicted from its KV cache
-        # metrics (a no-op for blocks it does not sample); the plugin keeps that.
-        reused = metrics if self.enable_caching else None
-        entries: list[Entry | None] = [None] * num_blocks
-        taken: list[KVCacheBlock] = []  # in vLLM's free-queue order: head first
-        evicted = 0
-        # Tail first, as the protocol (and the simulator) goes; the keys of one call are
-        # distinct (chained hashes of one group), so only older entries can be taken.
-        for i in range(num_blocks - 1, -1, -1):
-            key = keys[i]
-            entry = None if key is None else self._entry_for(key)
-            if entry is not None:
-                find(entry)  # a ghost hit adapts ARC's target before the victim is chosen
-            if queue.num_free_blocks:
-                block = queue.popleft()
-                if reused:
-                    reused.on_block_evicted(block)
-            else:
-                # No block without a hash is free: evict the policy's victim (never an entry
-                # of this call: those are inserted pinned).
-                victim = policy.to_evict()
-                if victim is None:
-                    self._num_evictable -= evicted
-                    raise RuntimeError(
-                        f"policy {policy.describe()} named no victim with "
-                        f"{self._num_evictable} evictable blocks counted"
-                    )
-                policy.evict(victim)
-                block = block_of.pop(victim)
-                key_of[block.block_id] = None
-                evicted += 1
-                # vLLM's own eviction path: BlockRemoved events and KV cache metrics fire.
-                self._maybe_evict_cached_block(block)
-            if entry is not None:
-                policy.insert(entry)
-                entries[i] = entry
+        # One policy call for the whole request, tail first as the protocol goes; the keys
+        # of one call are distinct (chained hashes of one group), so only older entries can
+        # be taken, and those get a copy's entry.
+        free = min(queue.num_free_blocks, num_blocks)
+        entries, victims = self.policy.allocate(keys, free, self._copy_entry)
+        # The blocks in vLLM's free-queue order: blocks without a hash first, then the
+        # victims' (never an entry of this call: those are inserted pinned).
+        taken = queue.popleft_n(free) if free else []
+        if self.enable_caching and metrics:
+            # vLLM reports every block it reuses with caching on as evicted from its KV
+            # cache metrics (a no-op for blocks it does not sample); the plugin keeps that.
+            for block in taken:
+                metrics.on_block_evicted(block)
+        for victim in victims:
+            block = block_of.pop(victim)
+            key_of[block.block_id] = None
+            # vLLM's own eviction path: BlockRemoved events and KV cache metrics fire.
+            self._maybe_evict_cached_block(block)
             taken.append(block)
+        evicted = len(victims)
         self._num_evictable -= evicted
         if self._reuse_watchers:
             self._notify_reuse(taken)
@@ -359,8 +346,8 @@ class PolicyBlockPool(BlockPool):
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         evict_first: list[KVCacheBlock] = []
         other_pools: dict[BlockPool, list[KVCacheBlock]] = {}
-        key_of, unpin = self._key_of, self.policy.unpin
-        released = 0
+        key_of = self._key_of
+        released: list[Entry] = []
         for block in ordered_blocks:
             if block.is_null:
                 if NULL_BLOCK_REFCOUNTED:
@@ -381,9 +368,10 @@ class PolicyBlockPool(BlockPool):
                 evict_first.append(block)
             else:
                 # A cached block: it stays cached, a candidate for eviction.
-                unpin(entry)
-                released += 1
-        self._num_evictable += released
+                released.append(entry)
+        if released:
+            self.policy.release(released)
+            self._num_evictable += len(released)
         # LIFO reuse of blocks without a hash, as vLLM does (better locality).
         self.free_block_queue.prepend_n(evict_first)
         for pool, blocks in other_pools.items():
