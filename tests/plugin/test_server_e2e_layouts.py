@@ -53,16 +53,22 @@ def llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_llama(tmp_path_factory.mktemp("model") / "tiny-llama")
 
 
+def model_variant(llama: Path, tmp_path: Path, name: str) -> Path:
+    """A copy of the tiny Llama with ``MODELS[name]``'s config changes."""
+    model = tmp_path / f"tiny-{name}"
+    shutil.copytree(llama, model)
+    config = json.loads((model / "config.json").read_text())
+    config.update(MODELS[name][0])
+    (model / "config.json").write_text(json.dumps(config))
+    return model
+
+
 @pytest.mark.parametrize("name", MODELS)
 def test_sliding_window_model_serves_with_the_plugin_and_hits_per_group(
     name: str, llama: Path, tmp_path: Path
 ) -> None:
-    changes, policy, expected_hits = MODELS[name]
-    model = tmp_path / f"tiny-{name}"
-    shutil.copytree(llama, model)
-    config = json.loads((model / "config.json").read_text())
-    config.update(changes)
-    (model / "config.json").write_text(json.dumps(config))
+    _, policy, expected_hits = MODELS[name]
+    model = model_variant(llama, tmp_path, name)
     with VllmServer(
         model,
         block_size=BLOCK,
@@ -97,18 +103,15 @@ def test_sliding_window_model_serves_with_the_plugin_and_hits_per_group(
 def test_hybrid_model_hashed_finer_than_its_blocks_decodes_across_a_block(
     llama: Path, tmp_path: Path
 ) -> None:
-    # The issue's layout, as the CPU build can make it (its blocks are multiples of 32 tokens
-    # and the tiny model's layers share one page size): both groups of the hybrid Llama hold
-    # 32 tokens a block and requests are hashed every 16 (--prefix-match-unit, what vLLM sets
-    # to the gcd of the block sizes when pages differ). Full attention then caches the
-    # prompt's partial last block: a 60-token prompt does so on its 4th decode step
-    # (63 -> 64 computed tokens), which stopped the engine before the plugin modelled it.
-    changes, policy, _ = MODELS["hybrid"]
-    model = tmp_path / "tiny-hybrid"
-    shutil.copytree(llama, model)
-    config = json.loads((model / "config.json").read_text())
-    config.update(changes)
-    (model / "config.json").write_text(json.dumps(config))
+    # A layout whose groups hash finer than their blocks, as the CPU build can make it (its
+    # blocks are multiples of 32 tokens and the tiny model's layers share one page size): both
+    # groups of the hybrid Llama hold 32 tokens a block and requests are hashed every 16
+    # (--prefix-match-unit, what vLLM sets to the gcd of the block sizes when pages differ).
+    # Full attention then caches the prompt's partial last block: a 60-token prompt does so on
+    # its 4th decode step (63 -> 64 computed tokens), which stopped the engine before the
+    # plugin modelled it.
+    _, policy, _ = MODELS["hybrid"]
+    model = model_variant(llama, tmp_path, "hybrid")
     with VllmServer(
         model,
         block_size=BLOCK,

@@ -54,7 +54,7 @@ ROUTED_POLICY = "trio"  # the recommended policy
 ROUTED_ROUTER = "kv_aware"
 ROUTED_REPLICAS = (1, 8)
 WHOLE_PROCESS_REQUESTS = 12_000
-# The targets, checked on this run's figures.
+# The speed targets (docs/benchmarks.md), checked on this run's figures.
 TARGET_PLUGIN_RATIO = {"lru": 1.3, "arc": 1.3, "trio": 2.0}
 TARGET_ARC_DOCQA_ACCESSES = 2_000_000
 TARGET_WHOLE_PROCESS_RATIO = 0.6
