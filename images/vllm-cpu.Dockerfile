@@ -13,9 +13,9 @@ RUN apt-get update \
     && rm -rf /var/lib/apt/lists/* \
     && pip install --no-cache-dir "build==1.2.2.post1"
 COPY common ./common
-COPY evictor ./evictor
+COPY arc_evictor ./arc_evictor
 RUN python -m build --wheel --outdir /dist common \
-    && python -m build --wheel --outdir /dist evictor
+    && python -m build --wheel --outdir /dist arc_evictor
 
 FROM python:3.11.11-slim-bookworm
 # vLLM's CPU kernels need libnuma and OpenMP at run time.

@@ -12,9 +12,9 @@ FROM vllm/vllm-openai:v0.33.0 AS wheel
 WORKDIR /src
 RUN python3 -m pip install --no-cache-dir "build==1.2.2.post1"
 COPY common ./common
-COPY evictor ./evictor
+COPY arc_evictor ./arc_evictor
 RUN python3 -m build --wheel --outdir /dist common \
-    && python3 -m build --wheel --outdir /dist evictor
+    && python3 -m build --wheel --outdir /dist arc_evictor
 
 # Stage 2: the serving image. The base brings vllm, torch and prometheus-client.
 FROM vllm/vllm-openai:v0.33.0

@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parents[2]
 # Distribution name -> (source folder, the one top-level package it ships).
 PRODUCTS = {
     "arc-serving-common": ("common", "arc_serving_common"),
-    "arc-evictor": ("evictor", "arc_evictor"),
+    "arc-evictor": ("arc_evictor", "arc_evictor"),
     "arc-serving-simulator": ("simulator", "arc_simulator"),
     "arc-serving-loadtest": ("loadtest", "arc_loadtest"),
     "arc-serving-operator": ("operator", "arc_operator"),
@@ -42,8 +42,8 @@ ALLOWED_IMPORTS = {
 }
 # Image -> the product folders whose wheels it builds and installs.
 IMAGES = {
-    "vllm": ["common", "evictor"],
-    "vllm-cpu": ["common", "evictor"],
+    "vllm": ["common", "arc_evictor"],
+    "vllm-cpu": ["common", "arc_evictor"],
     "operator": ["common", "operator"],
     "loadtest": ["common", "loadtest"],
     # The vLLM router's own PyPI wheel; no product of ours.
@@ -148,8 +148,8 @@ def test_plugin_wheel_holds_the_compiled_policy_core_next_to_its_sources(
 
 def test_pure_python_build_gives_a_universal_wheel(tmp_path: Path) -> None:
     source = shutil.copytree(
-        REPO / "evictor",
-        tmp_path / "evictor",
+        REPO / "arc_evictor",
+        tmp_path / "arc_evictor",
         ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__", "*.so"),
     )
     subprocess.run(

@@ -1,7 +1,7 @@
 """The policy core under test is the one meant: compiled (mypyc) in ``make test``, the
 pure-Python fallback when ``ARC_EVICTOR_PURE_PYTHON=1`` (``make test-pure``).
 
-The build in a development virtualenv is in place (``pip install -e evictor`` compiles
+The build in a development virtualenv is in place (``pip install -e arc_evictor`` compiles
 next to the sources), so editing a policy needs a rebuild; the second test says so."""
 
 from __future__ import annotations
@@ -34,5 +34,5 @@ def test_compiled_modules_are_built_from_the_current_sources() -> None:
         source = folder / f"{name}.py"
         assert built.stat().st_mtime >= source.stat().st_mtime, (
             f"{built.name} is older than {source.name}: rebuild the policy core "
-            "(.venv/bin/pip install --no-deps -e evictor)"
+            "(.venv/bin/pip install --no-deps -e arc_evictor)"
         )
