@@ -11,7 +11,7 @@ import sys
 import pytest
 from policy_support import access, run_plain, zipf_keys
 
-from arc_evictor.policies import ARC, LRU, FollowTheLeader, PolicyError, make_policy
+from arc_evictor.policies import ARC, LRU, PolicyError, Trio, make_policy
 from arc_evictor.policies.lfu import LFU
 from arc_simulator.pool import BlockPool
 
@@ -53,7 +53,7 @@ def test_victims_are_arcs_while_arc_leads() -> None:
     assert run_plain(ARC(CAPACITY), keys) > max(
         run_plain(LRU(CAPACITY), keys), run_plain(LFU(CAPACITY), keys)
     )
-    policy = FollowTheLeader(CAPACITY)
+    policy = Trio(CAPACITY)
     run_plain(policy, keys, verify=True)
     assert policy.leader == "arc"
     # The same keys in an ARC of their own, in the same lists, name the same victim.
@@ -65,9 +65,9 @@ def test_victims_are_arcs_while_arc_leads() -> None:
     assert victim != next(iter(policy.resident_keys()))  # not merely LRU's oldest
 
 
-def arc_far_ahead(capacity: int) -> FollowTheLeader:
+def arc_far_ahead(capacity: int) -> Trio:
     """A trio whose ARC expert leads all along: its score outweighs any window's hits."""
-    policy = FollowTheLeader(capacity)
+    policy = Trio(capacity)
     policy.judge.credit("arc", 1e12)
     return policy
 
@@ -102,7 +102,7 @@ def test_follows_release_order_when_lru_hits_most() -> None:
     assert run_plain(LRU(CAPACITY), keys) > max(
         run_plain(ARC(CAPACITY), keys), run_plain(LFU(CAPACITY), keys)
     )
-    policy = FollowTheLeader(CAPACITY)
+    policy = Trio(CAPACITY)
     run_plain(policy, keys, verify=True)
     assert policy.leader == "lru"
     assert policy.to_evict() == next(iter(policy.resident_keys()))
@@ -113,7 +113,7 @@ def test_follows_counts_when_lfu_hits_most() -> None:
     assert run_plain(LFU(CAPACITY), keys) > max(
         run_plain(ARC(CAPACITY), keys), run_plain(LRU(CAPACITY), keys)
     )
-    policy = FollowTheLeader(CAPACITY)
+    policy = Trio(CAPACITY)
     run_plain(policy, keys, verify=True)
     assert policy.leader == "lfu"
     victim = policy.to_evict()
@@ -124,11 +124,11 @@ def test_follows_counts_when_lfu_hits_most() -> None:
 def test_beats_arc_and_lru_on_popular_keys() -> None:
     keys = popular_keys()
     best = max(run_plain(ARC(CAPACITY), keys), run_plain(LRU(CAPACITY), keys))
-    assert run_plain(FollowTheLeader(CAPACITY), keys) > best
+    assert run_plain(Trio(CAPACITY), keys) > best
 
 
 def test_lfu_lead_sets_arcs_lists_aside() -> None:
-    policy = FollowTheLeader(CAPACITY)
+    policy = Trio(CAPACITY)
     run_plain(policy, popular_keys(), verify=True)
     assert policy.leader == "lfu"
     sizes = policy.list_sizes()
@@ -142,7 +142,7 @@ def test_lfu_lead_sets_arcs_lists_aside() -> None:
     assert sum(policy.counters.evictions.values()) == evictions + 1
 
 
-def lists(policy: FollowTheLeader, universe: int) -> dict[str, set[int]]:
+def lists(policy: Trio, universe: int) -> dict[str, set[int]]:
     """The keys below ``universe`` by the ARC list that holds them."""
     by_list: dict[str, set[int]] = {"t1": set(), "t2": set(), "b1": set(), "b2": set()}
     for key in range(universe):
@@ -153,7 +153,7 @@ def lists(policy: FollowTheLeader, universe: int) -> dict[str, set[int]]:
 
 
 def test_arc_is_rebuilt_when_lfu_loses_the_lead() -> None:
-    policy = FollowTheLeader(CAPACITY)
+    policy = Trio(CAPACITY)
     run_plain(policy, popular_keys(), verify=True)
     assert policy.leader == "lfu"
     before, released = lists(policy, 300), list(policy.resident_keys())
@@ -177,7 +177,7 @@ def test_arc_is_rebuilt_when_lfu_loses_the_lead() -> None:
 
 
 def test_switches_keep_every_invariant() -> None:
-    policy = FollowTheLeader(CAPACITY)
+    policy = Trio(CAPACITY)
     experts = []
     for key in popular_keys() + shifting_keys():
         access(policy, key)
@@ -190,7 +190,7 @@ def test_switches_keep_every_invariant() -> None:
 
 
 def test_pinned_least_counted_key_is_skipped() -> None:
-    policy = FollowTheLeader(CAPACITY)
+    policy = Trio(CAPACITY)
     run_plain(policy, popular_keys(), verify=True)
     victim = policy.to_evict()
     access(policy, victim)
@@ -199,7 +199,7 @@ def test_pinned_least_counted_key_is_skipped() -> None:
 
 
 def test_clear_forgets_counts_and_returns_to_arc() -> None:
-    policy = FollowTheLeader(CAPACITY)
+    policy = Trio(CAPACITY)
     run_plain(policy, popular_keys())
     counted = max(policy.resident_keys(), key=policy.count)
     assert policy.leader == "lfu" and policy.count(counted) > 1
@@ -214,7 +214,7 @@ def test_clear_forgets_counts_and_returns_to_arc() -> None:
     ("capacity", "share"), [(1_024, 1), (2_047, 1), (2_048, 2), (13_072, 8), (100_000, 64)]
 )
 def test_miniatures_keep_at_least_1024_blocks(capacity: int, share: int) -> None:
-    policy = FollowTheLeader(capacity)
+    policy = Trio(capacity)
     assert policy.describe() == f"trio-1/{share}"
     assert capacity // share >= 1_024
     assert policy.judge.miniature("lfu").capacity == capacity // share
@@ -237,7 +237,7 @@ def test_bytes_keys_are_sampled_alike_in_every_process(hash_seed: str) -> None:
     run = subprocess.run(
         [sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True
     )
-    judge = FollowTheLeader(100_000).judge
+    judge = Trio(100_000).judge
     keys = [hashlib.sha256(str(i).encode()).digest() for i in range(20_000)]
     expected = [i for i, key in enumerate(keys) if judge.sampled(key)]
     assert run.stdout.strip() == str(expected)
@@ -253,11 +253,11 @@ def test_bytes_keys_are_sampled_alike_in_every_process(hash_seed: str) -> None:
 )
 def test_bad_parameters_are_rejected(kwargs: dict, message: str) -> None:
     with pytest.raises(PolicyError, match=message):
-        FollowTheLeader(4, **kwargs)
+        Trio(4, **kwargs)
 
 
 def test_registry_name_trio_builds_the_follower() -> None:
     policy = make_policy("trio", 4)
-    assert type(policy) is FollowTheLeader and policy.name == "trio"
+    assert type(policy) is Trio and policy.name == "trio"
     with pytest.raises(PolicyError, match="unknown expert 'mru'"):
         policy.follow("mru")

@@ -17,7 +17,7 @@ from arc_evictor.policies.lru import LRU
 from arc_evictor.policies.s3fifo import S3FIFO
 from arc_evictor.policies.sieve import Sieve
 from arc_evictor.policies.statistics import PolicyCounters, ReportsStatistics
-from arc_evictor.policies.trio import FollowTheLeader, Trio
+from arc_evictor.policies.trio import Trio
 
 PolicyFactory = Callable[[int], EvictionPolicy]
 
@@ -27,7 +27,7 @@ REGISTRY: dict[str, PolicyFactory] = {
     "arc": ARC,
     "s3fifo": S3FIFO,
     "sieve": Sieve,
-    "trio": FollowTheLeader,
+    "trio": Trio,
 }
 
 
@@ -66,7 +66,6 @@ __all__ = [
     "REGISTRY",
     "S3FIFO",
     "EvictionPolicy",
-    "FollowTheLeader",
     "Key",
     "PolicyCounters",
     "PolicyError",

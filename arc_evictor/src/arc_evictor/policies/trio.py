@@ -1,4 +1,4 @@
-"""``trio`` (``FollowTheLeader``): evict in the order of whichever of ARC, LRU and LFU its
+"""``trio``: evict in the order of whichever of ARC, LRU and LFU its
 miniature caches show ahead lately.
 
 Algorithm. Three experts each propose an eviction order: ARC (arc.py), LRU (least
@@ -197,7 +197,7 @@ class MiniatureJudge:
         assert 0 <= self._window_count < self.window, "trio window count out of range"
 
 
-class FollowTheLeader(EvictionPolicy, ReportsStatistics):
+class Trio(EvictionPolicy, ReportsStatistics):
     """The real cache in the order of the expert its judge finds ahead (module docstring).
 
     Invariants (all checked by ``verify``):
@@ -425,7 +425,3 @@ class FollowTheLeader(EvictionPolicy, ReportsStatistics):
         assert self._sampled_resident == {key for key in resident if self.judge.sampled(key)}, (
             "trio's resident sample differs from the sampled resident keys"
         )
-
-
-# The registry name is ``trio``; the class says what it does.
-Trio = FollowTheLeader
