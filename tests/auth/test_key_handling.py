@@ -7,9 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from arc_dev.vllm_server import API_KEY_ENV, VllmServer
+from arc_harness.vllm_server import VllmServer
 from arc_loadtest.replay import ReplaySettings, auth_failure, auth_headers
 from arc_loadtest.report import format_summary, summarize
+from arc_serving_common.names import API_KEY_ENV
 
 
 @pytest.fixture

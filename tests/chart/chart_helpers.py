@@ -9,9 +9,11 @@ from __future__ import annotations
 import ast
 import importlib.util
 import subprocess
+import sys
 from collections.abc import Iterable, Mapping
 from functools import cache
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -25,6 +27,8 @@ TOOLS = REPO / ".tools" / "bin"
 CI_VALUES = sorted((CHART / "ci").glob("*.yaml"))
 CRD_FILE = CHART / "crds" / "servingpolicies.arcserving.io.yaml"
 RBAC_FILE = CHART / "files" / "operator-rbac-rules.yaml"
+# The dashboards' generator, a script next to the JSON it writes (excluded from the package).
+DASHBOARDS_GENERATOR = CHART / "dashboards" / "generate.py"
 ALERTS_FILE = CHART / "files" / "alerts.yaml"
 RELEASE = "rel"
 NAMESPACE = "llm"
@@ -158,6 +162,18 @@ def router_registers(family: str) -> bool:
     missing there is one this router version never exports.
     """
     return family.encode() in _router_extension()
+
+
+@cache
+def dashboards_generator() -> ModuleType:
+    """charts/arc-serving/dashboards/generate.py, imported from its path (it is no package's)."""
+    spec = importlib.util.spec_from_file_location("arc_serving_dashboards", DASHBOARDS_GENERATOR)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    # Registered before it runs: its dataclasses and generics look their module up by name.
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def known_metric_names() -> frozenset[str]:

@@ -10,9 +10,10 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry, generate_latest
 
-from arc_dev import dashboards, demo, snapshot
+from arc_dev import demo, snapshot
 from arc_dev.demo import DemoError, PolicyRun, Prediction
 from arc_evictor.vllm_plugin.metrics import PluginMetrics
+from arc_harness.prometheus import load_dashboard
 from arc_loadtest.report import CacheCounters, summarize
 
 
@@ -219,7 +220,7 @@ def test_snapshot_legends_follow_grafanas_legend_format() -> None:
 
 
 def test_snapshot_draws_the_main_dashboards_panels(tmp_path: Path) -> None:
-    dashboard = dashboards.load("overview.json")
+    dashboard = load_dashboard("overview.json")
     times = [1000.0 + second for second in range(120)]
     panels = []
     for panel in dashboard["panels"]:

@@ -13,8 +13,8 @@ import pytest
 
 from arc_dev import demo
 from arc_dev.pacing import measure_cost
-from arc_dev.tinymodel import build_tiny_llama
-from arc_dev.vllm_server import VllmServer
+from arc_harness.tinymodel import build_tiny_llama
+from arc_harness.vllm_server import VllmServer
 from arc_serving_common.traces import load_trace
 from arc_simulator.simulate import simulate
 from tests.replay_budget import replay_run_time_s

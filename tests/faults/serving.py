@@ -7,7 +7,7 @@ from pathlib import Path
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
-from arc_dev.vllm_server import VllmServer
+from arc_harness.vllm_server import VllmServer
 from arc_serving_common.traces import write_trace
 from arc_simulator.generate import DocQAParams, docqa, to_records
 

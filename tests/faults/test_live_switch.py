@@ -24,8 +24,8 @@ from pathlib import Path
 import pytest
 import requests
 
-from arc_dev.tinymodel import build_tiny_llama
-from arc_dev.vllm_server import VllmServer
+from arc_harness.tinymodel import build_tiny_llama
+from arc_harness.vllm_server import VllmServer
 from arc_loadtest.run import run_replay
 from arc_loadtest.stream import completion_body
 from arc_loadtest.tokens import TokenMapper, vocabulary_from_tokenizer

@@ -1,6 +1,6 @@
 """Fixtures of the fleet tests (real vLLM CPU servers behind the real vLLM router).
 
-Each test module starts at most one ``arc_dev.fleet.Fleet`` (two vLLM servers) at a time, on
+Each test module starts at most one ``arc_harness.fleet.Fleet`` (two vLLM servers) at a time, on
 a port range of its own, and stops it when the module ends.
 """
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from arc_dev.tinymodel import build_tiny_llama
+from arc_harness.tinymodel import build_tiny_llama
 
 
 @pytest.fixture(scope="session")

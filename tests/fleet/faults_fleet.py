@@ -1,8 +1,9 @@
 """Helpers of the fleet fault tests: prompts, router metric readings, a Locust replay in the
 background, and a reader of a vLLM server's KV-event replay endpoint.
 
-Everything here talks to the real components of an ``arc_dev.fleet.Fleet`` (docs/architecture.md,
-"Routing"): the vLLM router's Prometheus page, the servers' ZMQ replay sockets, the real Locust.
+Everything here talks to the real components of an ``arc_harness.fleet.Fleet``
+(docs/architecture.md, "Routing"): the vLLM router's Prometheus page, the servers' ZMQ replay
+sockets, the real Locust.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 import msgspec
 import zmq
 
-from arc_dev.fleet import BLOCK_TOKENS, Fleet, FleetRouter
+from arc_harness.fleet import BLOCK_TOKENS, Fleet, FleetRouter
 from arc_loadtest.run import ReplayRun, run_replay
 from arc_serving_common.traces import write_trace
 from arc_simulator.generate import DocQAParams, docqa, to_records

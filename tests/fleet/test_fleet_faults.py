@@ -30,7 +30,7 @@ from typing import Any
 
 import pytest
 
-from arc_dev.fleet import BLOCK_TOKENS, Fleet, FleetRouter, FleetServer
+from arc_harness.fleet import BLOCK_TOKENS, Fleet, FleetRouter, FleetServer
 from arc_loadtest.run import ReplayRun
 from tests.fleet.faults_fleet import (
     BackgroundReplay,
@@ -47,7 +47,7 @@ from tests.fleet.faults_fleet import (
 
 pytestmark = [pytest.mark.vllm, pytest.mark.locust, pytest.mark.slow]
 
-# Ports 27600-27699 are the fleet's (arc_dev.fleet); the second router and the silent event
+# Ports 27600-27699 are the fleet's (arc_harness.fleet); the second router and the silent event
 # ports of the degraded-stream test use 27700-27799.
 PORT_BASE = 27600
 SILENT_ROUTER_PORT = 27700

@@ -28,12 +28,12 @@ from hypothesis import strategies as st
 from arc_evictor.policies import policy_names
 from arc_evictor.vllm_plugin import PluginRuntime
 from arc_evictor.vllm_plugin.config import (
-    ENV_CONFIG,
     MAX_FILE_BYTES,
     PluginConfigError,
     Settings,
     read_policy_file,
 )
+from arc_serving_common.names import CONFIG_ENV
 
 with warnings.catch_warnings():
     # torch 2.13's torch.utils.mkldnn (imported by vLLM through torch.compile) still uses
@@ -174,7 +174,7 @@ def apply(engine: Engine, content: bytes) -> None:
         errors = [r for r in engine.log.records if r.levelno == logging.ERROR]
         assert len(errors) == 1, (content[:200], messages)
         message = errors[0].getMessage()
-        assert f"{ENV_CONFIG}={engine.path}: " in message, message
+        assert f"{CONFIG_ENV}={engine.path}: " in message, message
         assert message.endswith(f"; keeping policy {current}"), message
         assert len(message) < 1_000, message  # one readable log line
     else:

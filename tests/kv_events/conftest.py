@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from arc_dev.tinymodel import build_tiny_llama
-from arc_dev.vllm_server import VllmServer
+from arc_harness.tinymodel import build_tiny_llama
+from arc_harness.vllm_server import VllmServer
 from tests.kv_events.events import EventStream
 
 BLOCK = 32  # vLLM's CPU block size must be a multiple of 32

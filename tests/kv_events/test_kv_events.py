@@ -38,7 +38,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from arc_dev.vllm_server import VllmServer
+from arc_harness.vllm_server import VllmServer
 from tests.faults.serving import metric_sum
 from tests.kv_events.conftest import BLOCK, FIRST_POLICY
 from tests.kv_events.events import (

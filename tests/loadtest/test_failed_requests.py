@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from conftest import write_lines
 
-from arc_dev.fleet import FleetServer
-from arc_dev.tinymodel import build_tiny_llama
+from arc_harness.fleet import FleetServer
+from arc_harness.tinymodel import build_tiny_llama
 from arc_loadtest.run import ReplayRun, run_replay
 
 pytestmark = [pytest.mark.locust, pytest.mark.slow]

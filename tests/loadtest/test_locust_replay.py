@@ -11,8 +11,8 @@ import pytest
 import requests
 from conftest import conversation_records, write_lines
 
-from arc_dev.tinymodel import build_tiny_llama
-from arc_dev.vllm_server import VllmServer
+from arc_harness.tinymodel import build_tiny_llama
+from arc_harness.vllm_server import VllmServer
 from arc_loadtest.replay import ServerClient
 from arc_loadtest.report import CacheCounters, parse_counters
 from arc_loadtest.run import ReplayRun, run_replay

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from arc_dev.vllm_server import free_port
+from arc_harness.vllm_server import free_port
 from arc_loadtest.run import LOCUSTFILE
 
 pytestmark = [pytest.mark.locust]

@@ -133,7 +133,7 @@ def test_restart_pods_take_the_policy_from_env_and_never_read_the_configmap() ->
     # The ConfigMap still records the policy (for people and tools reading it).
     spec = parse_spec(make_spec(switchMode="Restart", policy="ARC"))
     assert manifests.config_map("demo", "serving", spec)["data"] == {
-        "policy.json": '{"policy": "arc"}'
+        "policy.json": '{"policy": "arc"}\n'
     }
 
 

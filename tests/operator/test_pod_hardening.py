@@ -20,10 +20,11 @@ from typing import Any
 
 import pytest
 
-from arc_dev.tinymodel import build_tiny_llama
-from arc_dev.vllm_server import VllmServer
+from arc_harness.tinymodel import build_tiny_llama
+from arc_harness.vllm_server import VllmServer
 from arc_operator import manifests
 from arc_operator.models import OWNED_ENV, WRITABLE_DIR_ENV, SpecError, parse_spec
+from arc_serving_common.names import CONFIG_ENV
 from tests.operator.conftest import make_spec
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -158,7 +159,7 @@ def mapped_layout(template: dict[str, Any], root: Path) -> tuple[dict[str, str],
         var["name"]: remap(var["value"])
         for var in container["env"]
         if var["name"] in {*manifests.WRITABLE_DIRS_ENV, manifests.METRICS_DIR_ENV}
-        or var["name"] == manifests.CONFIG_ENV
+        or var["name"] == CONFIG_ENV
     }
     writable = [host for host, is_writable in mounts.values() if is_writable]
     return env, writable
@@ -185,9 +186,7 @@ def test_vllm_writes_only_into_the_pods_empty_dirs(
     template = pod("Hot")
     root = tmp_path / "pod"
     env, writable = mapped_layout(template, root)
-    (Path(env[manifests.CONFIG_ENV]).parent / manifests.CONFIG_KEY).write_text(
-        json.dumps({"policy": "arc"})
-    )
+    (Path(env[CONFIG_ENV]).parent / manifests.CONFIG_KEY).write_text(json.dumps({"policy": "arc"}))
     audit_log = tmp_path / "writes.log"
     env["ARC_WRITE_AUDIT_LOG"] = str(audit_log)
     env["PYTHONPATH"] = os.pathsep.join(

@@ -28,17 +28,26 @@ PRODUCTS = {
     "arc-serving-simulator": ("simulator", "arc_simulator"),
     "arc-serving-loadtest": ("loadtest", "arc_loadtest"),
     "arc-serving-operator": ("operator", "arc_operator"),
+    "arc-serving-harness": ("harness", "arc_harness"),
     "arc-serving-dev": ("dev", "arc_dev"),
 }
 # What each product's code may import of the others: no cycles, and a serving pod's wheel
-# (arc-evictor) never reaches the simulator, the load test, the operator or the harness.
+# (arc-evictor) never reaches the simulator, the load test, the operator, the harness or the
+# demos. The harness runs next to any vLLM build, so it needs none of the other products.
 ALLOWED_IMPORTS = {
     "arc_serving_common": set(),
     "arc_evictor": {"arc_serving_common"},
     "arc_simulator": {"arc_serving_common", "arc_evictor"},
     "arc_loadtest": {"arc_serving_common"},
     "arc_operator": {"arc_serving_common"},
-    "arc_dev": {"arc_serving_common", "arc_evictor", "arc_simulator", "arc_loadtest"},
+    "arc_harness": {"arc_serving_common"},
+    "arc_dev": {
+        "arc_serving_common",
+        "arc_evictor",
+        "arc_simulator",
+        "arc_loadtest",
+        "arc_harness",
+    },
 }
 # Image -> the product folders whose wheels it builds and installs.
 IMAGES = {
@@ -184,6 +193,18 @@ def test_only_the_plugin_registers_a_vllm_entry_point(wheels: dict[str, Path], n
 def test_operator_wheel_does_not_depend_on_the_plugin(wheels: dict[str, Path]) -> None:
     assert "arc-evictor" not in required(wheels["arc-serving-operator"])
     assert "arc-serving-common" in required(wheels["arc-serving-operator"])
+
+
+def test_harness_wheel_installs_next_to_any_vllm(wheels: dict[str, Path]) -> None:
+    """The harness starts the vLLM of the Python it runs in: it requires no vLLM or torch build
+    (nor the plugin, whose extras pull one), so it installs into .venv-vllm033 unchanged."""
+    assert required(wheels["arc-serving-harness"]) == {
+        "arc-serving-common",
+        "pyyaml",
+        "prometheus-client",
+        "vllm-router",
+    }
+    assert "arc-serving-harness" in required(wheels["arc-serving-dev"])
 
 
 def test_installed_simulator_reads_its_packaged_sample(

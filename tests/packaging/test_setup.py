@@ -148,7 +148,7 @@ def test_make_fetches_the_prometheus_server_the_demo_and_tests_use(
 
 
 def test_the_demo_looks_for_prometheus_where_make_puts_it() -> None:
-    from arc_dev.prometheus import PROMETHEUS_BINARY
+    from arc_harness.prometheus import PROMETHEUS_BINARY
 
     make_default = subprocess.run(
         ["make", "-s", "--no-print-directory", "-f", "Makefile", "-f", "-", "print-prometheus"],

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))  # the harness module next to the tests
+sys.path.insert(0, str(Path(__file__).parent))  # the managers module next to the tests
 
 with warnings.catch_warnings():
     # torch 2.13's torch.utils.mkldnn (imported by vLLM through torch.compile) still uses
@@ -21,7 +21,7 @@ with warnings.catch_warnings():
     warnings.filterwarnings(
         "ignore", message=r"`torch\.jit\.script_method` is deprecated", category=DeprecationWarning
     )
-    import harness  # noqa: F401  (imports vLLM once, here)
+    import managers  # noqa: F401  (imports vLLM once, here)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -20,7 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 with warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)
-    from harness import make_manager, make_request
+    from managers import make_manager, make_request
 
 from vllm.v1.core.kv_cache_utils import get_group_id
 

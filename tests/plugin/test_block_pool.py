@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from harness import admit, make_manager, make_request
+from managers import admit, make_manager, make_request
 
 from arc_evictor.policies import policy_names
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from harness import admit, make_manager, make_request
+from managers import admit, make_manager, make_request
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.kv_cache_utils import (
     KVCacheBlock,

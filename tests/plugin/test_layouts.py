@@ -1,6 +1,6 @@
 """Which KV cache layouts the plugin drives, and the start-up refusal of the others.
 
-The driven layouts (``harness.SUPPORTED_LAYOUTS``) are exercised step by step against vLLM in
+The driven layouts (``managers.SUPPORTED_LAYOUTS``) are exercised step by step against vLLM in
 ``test_stock_equality.py``; here, each is accepted as vLLM builds it, and a layout with a
 manager the pool does not model stops start-up with a message naming the layout. Pools that
 KV connectors build for themselves stay vLLM's, and lazy CPU offloading is refused.
@@ -9,7 +9,7 @@ KV connectors build for themselves stay vLLM's, and lazy CPU offloading is refus
 from __future__ import annotations
 
 import pytest
-from harness import REFUSED_LAYOUTS, SUPPORTED_LAYOUTS, kv_cache_config, make_manager
+from managers import REFUSED_LAYOUTS, SUPPORTED_LAYOUTS, kv_cache_config, make_manager
 from vllm.config import DeviceConfig, VllmConfig
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_coordinator import get_kv_cache_coordinator

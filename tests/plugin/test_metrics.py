@@ -9,7 +9,7 @@ import random
 from pathlib import Path
 
 import pytest
-from harness import admit, kv_cache_config, make_manager, make_request
+from managers import admit, kv_cache_config, make_manager, make_request
 from prometheus_client import CollectorRegistry
 from vllm.v1.core import kv_cache_coordinator
 from vllm.v1.core.block_pool import BlockPool

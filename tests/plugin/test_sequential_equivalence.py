@@ -24,7 +24,7 @@ import random
 from pathlib import Path
 
 import pytest
-from harness import admit, make_manager, make_request
+from managers import admit, make_manager, make_request
 from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
 
 from arc_evictor.policies import make_policy, policy_names

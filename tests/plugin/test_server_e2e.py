@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from arc_dev.tinymodel import build_tiny_llama
-from arc_dev.vllm_server import VllmServer, VllmServerError
+from arc_harness.tinymodel import build_tiny_llama
+from arc_harness.vllm_server import VllmServer, VllmServerError
 from arc_serving_common.names import METRIC_NAMES
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]

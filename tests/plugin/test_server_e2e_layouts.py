@@ -1,6 +1,6 @@
 """End to end: the real vLLM CPU server with the plugin on sliding-window models.
 
-The tiny local Llama (``arc_dev.tinymodel``) is re-labelled two ways, its weights unchanged:
+The tiny local Llama (``arc_harness.tinymodel``) is re-labelled two ways, its weights unchanged:
 
 - ``hybrid``: Hugging Face ``layer_types`` (layer 0 sliding-window attention over 64 tokens,
   layer 1 full attention), which vLLM's Llama reads per layer. vLLM builds a
@@ -22,8 +22,8 @@ from typing import Any
 import pytest
 from test_server_e2e import complete, metrics, prompt, value, wait_for
 
-from arc_dev.tinymodel import build_tiny_llama
-from arc_dev.vllm_server import VllmServer
+from arc_harness.tinymodel import build_tiny_llama
+from arc_harness.vllm_server import VllmServer
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

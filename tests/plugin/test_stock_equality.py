@@ -19,9 +19,9 @@ from collections import Counter
 from typing import Any
 
 import pytest
-from harness import SUPPORTED_LAYOUTS, group_block_sizes, make_manager, make_request
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from managers import SUPPORTED_LAYOUTS, group_block_sizes, make_manager, make_request
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from vllm.v1.core.kv_cache_utils import get_block_hash, get_group_id, maybe_convert_block_hash
 from workload import Step, drive, first_difference, tokens

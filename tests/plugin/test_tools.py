@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from arc_dev.tinymodel import build_tiny_llama, main
-from arc_dev.vllm_server import VllmServer
+from arc_harness.tinymodel import build_tiny_llama, main
+from arc_harness.vllm_server import VllmServer
 
 
 def test_tiny_llama_is_a_servable_model_directory_and_is_reused(tmp_path: Path) -> None:

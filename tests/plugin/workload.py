@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from harness import make_request
+from managers import make_request
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.request import Request
 

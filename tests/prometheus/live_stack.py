@@ -16,8 +16,8 @@ from typing import Any
 
 import requests
 
-from arc_dev.prometheus import EngineTarget, PrometheusError, PrometheusServer, pod_monitor_job
-from arc_dev.vllm_server import VllmServer
+from arc_harness.prometheus import EngineTarget, PrometheusError, PrometheusServer, pod_monitor_job
+from arc_harness.vllm_server import VllmServer
 from arc_operator.manifests import ROUTER_CONTAINER, ROUTER_METRICS_PORT_NAME
 
 SECONDS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400}

@@ -44,12 +44,20 @@ import requests
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from arc_dev import dashboards
-from arc_dev.dashboards import Intervals, PanelQuery, expand
-from arc_dev.prometheus import EngineTarget, PrometheusServer, pod_monitor_job
 from arc_dev.snapshot import snapshot
-from arc_dev.tinymodel import build_tiny_llama
-from arc_dev.vllm_server import VllmServer
+from arc_harness.prometheus import (
+    EngineTarget,
+    Intervals,
+    PanelQuery,
+    PrometheusServer,
+    dashboard_names,
+    expand,
+    load_dashboard,
+    panel_queries,
+    pod_monitor_job,
+)
+from arc_harness.tinymodel import build_tiny_llama
+from arc_harness.vllm_server import VllmServer
 from arc_loadtest.run import run_replay
 from arc_serving_common.names import POLICY_NAMES
 from tests.chart.chart_helpers import ALERTS_FILE
@@ -108,8 +116,8 @@ ENGINE_RULES = {
     for rule in group["rules"]
 }  # fmt: skip
 DASHBOARD_QUERIES = [
-    (name, query) for name in dashboards.DASHBOARDS if name != ROUTING_DASHBOARD
-    for query in dashboards.panel_queries(dashboards.load(name))
+    (name, query) for name in dashboard_names() if name != ROUTING_DASHBOARD
+    for query in panel_queries(load_dashboard(name))
 ]  # fmt: skip
 ALL = {"namespace": None, "servingpolicy": None, "pod": None}
 
@@ -385,7 +393,7 @@ def variables(
 ) -> dict[str, list[str] | None]:
     """Each variable's options (label_values over the range), the first one chosen in turn."""
     chosen: dict[str, list[str] | None] = {}
-    dashboard = dashboards.load("overview.json")
+    dashboard = load_dashboard("overview.json")
     intervals = Intervals.for_range(window[1] - window[0], SCRAPE_S)
     for variable in dashboard["templating"]["list"]:
         if variable["type"] != "query":
@@ -410,7 +418,7 @@ def test_variables_offer_the_engine_labels(
 def overview_result(
     prometheus: PrometheusServer, scenario: Scenario, panel: str
 ) -> list[list[dict[str, Any]]]:
-    queries = [q for q in dashboards.panel_queries(dashboards.load("overview.json"))
+    queries = [q for q in panel_queries(load_dashboard("overview.json"))
                if q.panel == panel]  # fmt: skip
     assert queries, panel
     return [evaluate(prometheus, q.expr, scenario.healthy, ALL) for q in queries]
@@ -452,7 +460,7 @@ def test_hit_rate_per_policy_shows_each_policy_that_ran(
 def test_policy_switch_annotation_marks_each_switch(
     scenario: Scenario, prometheus: PrometheusServer
 ) -> None:
-    dashboard = dashboards.load("overview.json")
+    dashboard = load_dashboard("overview.json")
     annotation = next(a for a in dashboard["annotations"]["list"] if a.get("expr"))
     step_s = float(annotation["step"].removesuffix("m")) * 60
     live = scenario.switches[: len(LIVE_SWITCHES)]
@@ -471,7 +479,7 @@ def test_policy_switch_annotation_marks_each_switch(
 def test_snapshot_draws_every_overview_panel_with_data(
     scenario: Scenario, prometheus: PrometheusServer, tmp_path: Path
 ) -> None:
-    dashboard = dashboards.load("overview.json")
+    dashboard = load_dashboard("overview.json")
     path = tmp_path / "dashboards.png"
     panels = snapshot(prometheus, dashboard, *scenario.healthy, SCRAPE_S, path)
     assert [p.title for p in panels] == [

@@ -1,6 +1,6 @@
 """The routing dashboard and the router's alert rules of the chart, evaluated by a real
 Prometheus on real data from a local fleet: two real vLLM servers (CPU build, the plugin, KV
-events) behind the real vllm-router with the kv_aware policy (``arc_dev.fleet``, ports
+events) behind the real vllm-router with the kv_aware policy (``arc_harness.fleet``, ports
 27200-27291).
 
 Prometheus scrapes the engines through the scrape job the Prometheus Operator builds from the
@@ -44,11 +44,18 @@ import pytest
 import requests
 import yaml
 
-from arc_dev import dashboards
-from arc_dev.dashboards import Intervals, PanelQuery, expand
-from arc_dev.fleet import SERVED_MODEL, Fleet, FleetServer, Samples
-from arc_dev.prometheus import EngineTarget, PrometheusServer, pod_monitor_job
-from arc_dev.tinymodel import build_tiny_llama
+from arc_harness.fleet import SERVED_MODEL, Fleet, FleetServer, Samples
+from arc_harness.prometheus import (
+    EngineTarget,
+    Intervals,
+    PanelQuery,
+    PrometheusServer,
+    expand,
+    load_dashboard,
+    panel_queries,
+    pod_monitor_job,
+)
+from arc_harness.tinymodel import build_tiny_llama
 from tests.chart.chart_helpers import ALERTS_FILE
 from tests.prometheus.live_stack import (
     SECONDS,
@@ -122,7 +129,7 @@ PHASES = {
     "worker_down": {"ArcServingRouterWorkerUnhealthy": ROUTER_POD},
     "router_down": {"ArcServingRouterDown": ROUTER_POD},
 }
-ROUTING_QUERIES = dashboards.panel_queries(dashboards.load(ROUTING_DASHBOARD))
+ROUTING_QUERIES = panel_queries(load_dashboard(ROUTING_DASHBOARD))
 ALL = {"namespace": None, "servingpolicy": None, "pod": None}
 
 

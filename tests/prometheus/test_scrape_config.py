@@ -8,8 +8,14 @@ from typing import Any
 
 import yaml
 
-from arc_dev.dashboards import Intervals, expand, variable_value
-from arc_dev.prometheus import CHART_RELABELINGS, EngineTarget, pod_monitor_job
+from arc_harness.prometheus import (
+    CHART_RELABELINGS,
+    EngineTarget,
+    Intervals,
+    expand,
+    pod_monitor_job,
+    variable_value,
+)
 from arc_operator.manifests import ROUTER_CONTAINER, ROUTER_METRICS_PORT_NAME
 from tests.chart.chart_helpers import ALERTS_FILE, by_kind, one, render
 from tests.prometheus.live_stack import router_monitor_job, shortened_rules

@@ -31,8 +31,10 @@ POLICY_ENV = "ARC_EVICTOR_POLICY"
 CONFIG_ENV = "ARC_EVICTOR_CONFIG"
 POLL_MS_ENV = "ARC_EVICTOR_POLL_MS"
 API_KEY_ENV = "VLLM_API_KEY"
+# The policy file's one key: the file is ``{"policy": NAME}``, nothing else.
+POLICY_FILE_KEY = "policy"
 
 
 def policy_file_text(policy: str) -> str:
     """The policy file's whole content (``CONFIG_ENV`` points at it): ``{"policy": NAME}``."""
-    return json.dumps({"policy": policy}) + "\n"
+    return json.dumps({POLICY_FILE_KEY: policy}) + "\n"

@@ -1,1 +1,1 @@
-"""arc-serving's development harness, never shipped: demo, vLLM server, tiny model, benches."""
+"""arc-serving's demos and benchmarks, never shipped: demo, fleet demo, pacing, snapshot, bench."""

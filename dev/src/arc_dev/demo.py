@@ -51,7 +51,6 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from arc_dev import dashboards
 from arc_dev.pacing import (
     TIME_SCALE_HELP,
     Pace,
@@ -60,16 +59,17 @@ from arc_dev.pacing import (
     pace,
     parse_time_scale,
 )
-from arc_dev.prometheus import (
+from arc_dev.snapshot import snapshot
+from arc_evictor.policies import policy_names
+from arc_harness.prometheus import (
     PROMETHEUS_BINARY,
     EngineTarget,
     PrometheusError,
     PrometheusServer,
+    load_dashboard,
     pod_monitor_job,
 )
-from arc_dev.snapshot import snapshot
-from arc_dev.vllm_server import VllmServer
-from arc_evictor.policies import policy_names
+from arc_harness.vllm_server import VllmServer
 from arc_serving_common.names import CONFIG_ENV, POLL_MS_ENV, policy_file_text
 from arc_serving_common.traces import TraceRequest, load_trace
 from arc_simulator.generate import DocQAParams, docqa, write_generated
@@ -533,7 +533,7 @@ def parse_plugin_counters(text: str) -> PluginCounters:
     if missing:
         raise DemoError(
             f"the server's /metrics has no {', '.join(missing)}: is the arc_evictor plugin "
-            "active (ARC_EVICTOR_CONFIG set) and PROMETHEUS_MULTIPROC_DIR set?"
+            f"active ({CONFIG_ENV} set) and PROMETHEUS_MULTIPROC_DIR set?"
         )
     return PluginCounters(
         totals["arc_evictor_block_queries_total"],
@@ -748,8 +748,8 @@ def pace_to_server(
 # --------------------------------------------------------------------------- main
 def run_demo(settings: DemoSettings) -> int:
     """The whole demo (see the module docstring); returns the exit status."""
-    from arc_dev.tinymodel import build_tiny_llama
-    from arc_dev.vllm_server import VllmServerError
+    from arc_harness.tinymodel import build_tiny_llama
+    from arc_harness.vllm_server import VllmServerError
 
     clock = StepClock()
     out = settings.out
@@ -813,7 +813,7 @@ def run_demo(settings: DemoSettings) -> int:
                                   scheduled_s=replay_pace.duration_s, clock=clock)
                 )  # fmt: skip
             if monitor is not None:
-                snapshot(monitor, dashboards.load("overview.json"), runs_started, time.time(),
+                snapshot(monitor, load_dashboard("overview.json"), runs_started, time.time(),
                          SCRAPE_INTERVAL_S, snapshot_path)  # fmt: skip
                 clock.step(f"dashboard snapshot {snapshot_path}")
     except VllmServerError as exc:

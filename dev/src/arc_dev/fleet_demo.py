@@ -9,7 +9,7 @@ Steps (each printed with its wall time):
    2 replicas of the same per-replica capacity), as ``arc-evictor simulate TRACE --replicas 2
    --router R --policy P --capacity C`` would.
 2. Build the small local Llama of ``make demo`` (nothing is downloaded) and start the fleet
-   (``arc_dev.fleet``): two servers with the arc_evictor plugin and KV events, each with a
+   (``arc_harness.fleet``): two servers with the arc_evictor plugin and KV events, each with a
    cache small enough that where a request lands decides whether its prefix is cached, and
    the router.
 3. For each routing policy the router is restarted with it; for each eviction policy the
@@ -38,14 +38,6 @@ from pathlib import Path
 from typing import Any
 
 from arc_dev.demo import StepClock
-from arc_dev.fleet import (
-    BLOCK_TOKENS,
-    ROUTER_POLICIES,
-    SERVED_MODEL,
-    Fleet,
-    FleetError,
-    ReplicaStats,
-)
 from arc_dev.pacing import (
     TIME_SCALE_HELP,
     Pace,
@@ -55,6 +47,14 @@ from arc_dev.pacing import (
     parse_time_scale,
 )
 from arc_evictor.policies import policy_names
+from arc_harness.fleet import (
+    BLOCK_TOKENS,
+    ROUTER_POLICIES,
+    SERVED_MODEL,
+    Fleet,
+    FleetError,
+    ReplicaStats,
+)
 from arc_serving_common.traces import TraceRequest, load_trace
 from arc_simulator.fleet import simulate_fleet
 from arc_simulator.generate import (
@@ -519,8 +519,8 @@ def pace_to_fleet(
 
 def run_demo(settings: FleetDemoSettings) -> int:
     """The whole demo (see the module docstring); returns the exit status."""
-    from arc_dev.tinymodel import build_tiny_llama
-    from arc_dev.vllm_server import VllmServerError
+    from arc_harness.tinymodel import build_tiny_llama
+    from arc_harness.vllm_server import VllmServerError
 
     clock = StepClock()
     out = settings.out

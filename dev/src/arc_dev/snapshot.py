@@ -2,7 +2,7 @@
 drawn with matplotlib from a real Prometheus's range queries, with the panel's title, unit and
 legend format, and the dashboard's policy-switch annotations as dashed vertical lines.
 
-Queries are sent as Grafana would send them (``arc_dev.dashboards.expand``: every variable at
+Queries are sent as Grafana would send them (``arc_harness.prometheus.expand``: every variable at
 "All", ``$__interval`` and ``$__rate_interval`` by Grafana's rules for the time range).
 """
 
@@ -16,8 +16,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from arc_dev.dashboards import Intervals, expand
-from arc_dev.prometheus import PrometheusServer
+from arc_harness.prometheus import Intervals, PrometheusServer, expand
 
 ALL_ENGINES = {"namespace": None, "servingpolicy": None, "pod": None}
 LEGEND_LABEL = re.compile(r"\{\{\s*(\w+)\s*\}\}")

@@ -32,6 +32,7 @@ import yaml
 from arc_operator import KIND
 from arc_operator import manifests as mf
 from arc_operator.models import OperatorConfig, RoutingPolicy, SpecError, SwitchMode, parse_spec
+from arc_serving_common.names import API_KEY_ENV
 
 # The routing policies whose router children are scanned: one with static workers, one with
 # service discovery (the other discovery policies differ only in --policy).
@@ -44,7 +45,7 @@ def checkov_skips(image: str) -> dict[str, str]:
     """checkov's skip annotations (``checkov.io/skipN: CHECK=reason``) for a Deployment of
     ``image`` (the spec's): the checks that are wrong for it, each with the reason."""
     skips = [
-        "CKV_K8S_35=vLLM reads its API key only from the environment (VLLM_API_KEY) or its "
+        f"CKV_K8S_35=vLLM reads its API key only from the environment ({API_KEY_ENV}) or its "
         "command line, which any process lister sees; the kubelet fills it from the Secret",
         "CKV_K8S_15=the image is the ServingPolicy's spec.image; the cluster's default pull "
         "policy applies (Always for :latest, IfNotPresent for a fixed tag or digest)",
@@ -61,7 +62,7 @@ def router_checkov_skips(image: str, policy: RoutingPolicy) -> dict[str, str]:
     """checkov's skip annotations for a router Deployment of ``image`` routing by ``policy``."""
     skips = [
         "CKV_K8S_35=the router reads its API key only from its command line (--api-key); its "
-        "argument is $(VLLM_API_KEY), which the kubelet expands from the Secret at start",
+        f"argument is $({API_KEY_ENV}), which the kubelet expands from the Secret at start",
         "CKV_K8S_15=the image is routing.image or the operator's router image; the cluster's "
         "default pull policy applies (Always for :latest, IfNotPresent for a tag or digest)",
     ]

@@ -31,15 +31,12 @@ from typing import TYPE_CHECKING
 from arc_evictor.vllm_plugin.config import PluginConfigError, PolicyFileWatcher, Settings
 from arc_evictor.vllm_plugin.metrics import PluginMetrics, multiprocess_enabled
 from arc_evictor.vllm_plugin.version import check_vllm_version
-from arc_serving_common.names import METRIC_NAMES
+from arc_serving_common.names import API_KEY_ENV, METRIC_NAMES
 
 if TYPE_CHECKING:
     from arc_evictor.vllm_plugin.block_pool import PolicyBlockPool
 
 logger = logging.getLogger("vllm.arc_evictor")
-
-# vLLM reads its API key from this variable when --api-key is not given (vllm.envs).
-API_KEY_ENV = "VLLM_API_KEY"
 
 __all__ = ["METRIC_NAMES", "SWITCH_LOG", "PluginConfigError", "PluginRuntime", "register"]
 

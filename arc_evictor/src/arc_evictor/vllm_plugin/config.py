@@ -26,11 +26,17 @@ from pathlib import Path
 
 from arc_evictor.policies import policy_names
 from arc_serving_common.jsonutil import unique_keys
+from arc_serving_common.names import (
+    CONFIG_ENV,
+    POLICY_ENV,
+    POLICY_FILE_KEY,
+    POLL_MS_ENV,
+    policy_file_text,
+)
 
-ENV_POLICY = "ARC_EVICTOR_POLICY"
-ENV_CONFIG = "ARC_EVICTOR_CONFIG"
-ENV_POLL_MS = "ARC_EVICTOR_POLL_MS"
 DEFAULT_POLL_MS = 500
+# What a valid file looks like, for the messages: {"policy": "arc"}.
+FILE_EXAMPLE = policy_file_text("arc").strip()
 # The file is one short JSON object; anything longer is a mistake (a wrong path, a log file),
 # and reading it whole between scheduler steps would stall the engine.
 MAX_FILE_BYTES = 64 * 1024
@@ -61,27 +67,29 @@ def read_policy_file(path: Path) -> str:
         with open(path, "rb") as handle:
             raw = handle.read(MAX_FILE_BYTES + 1)
     except OSError as exc:
-        raise PluginConfigError(f"{ENV_CONFIG}={path}: cannot read: {exc.strerror}") from exc
+        raise PluginConfigError(f"{CONFIG_ENV}={path}: cannot read: {exc.strerror}") from exc
     if len(raw) > MAX_FILE_BYTES:
         raise PluginConfigError(
-            f'{ENV_CONFIG}={path}: larger than {MAX_FILE_BYTES} bytes; expected {{"policy": "arc"}}'
+            f"{CONFIG_ENV}={path}: larger than {MAX_FILE_BYTES} bytes; expected {FILE_EXAMPLE}"
         )
     try:
         data = json.loads(raw.decode("utf-8"), object_pairs_hook=unique_keys)
     except UnicodeDecodeError as exc:
-        raise PluginConfigError(f"{ENV_CONFIG}={path}: not UTF-8 text: {exc.reason}") from None
+        raise PluginConfigError(f"{CONFIG_ENV}={path}: not UTF-8 text: {exc.reason}") from None
     except json.JSONDecodeError as exc:
-        raise PluginConfigError(f"{ENV_CONFIG}={path}: not JSON: {exc}") from None
+        raise PluginConfigError(f"{CONFIG_ENV}={path}: not JSON: {exc}") from None
     except RecursionError:
-        raise PluginConfigError(f"{ENV_CONFIG}={path}: not JSON: nested too deeply") from None
+        raise PluginConfigError(f"{CONFIG_ENV}={path}: not JSON: nested too deeply") from None
     except ValueError as exc:  # a repeated key, an integer past Python's digit limit
-        raise PluginConfigError(f"{ENV_CONFIG}={path}: not usable JSON: {exc}") from None
-    if not isinstance(data, dict) or "policy" not in data:
-        raise PluginConfigError(f'{ENV_CONFIG}={path}: expected an object {{"policy": "arc"}}')
-    unknown = sorted(set(data) - {"policy"})
+        raise PluginConfigError(f"{CONFIG_ENV}={path}: not usable JSON: {exc}") from None
+    if not isinstance(data, dict) or POLICY_FILE_KEY not in data:
+        raise PluginConfigError(f"{CONFIG_ENV}={path}: expected an object {FILE_EXAMPLE}")
+    unknown = sorted(set(data) - {POLICY_FILE_KEY})
     if unknown:
-        raise PluginConfigError(f"{ENV_CONFIG}={path}: unknown keys {unknown}; only 'policy'")
-    return validate_policy_name(data["policy"], f"{ENV_CONFIG}={path}")
+        raise PluginConfigError(
+            f"{CONFIG_ENV}={path}: unknown keys {unknown}; only {POLICY_FILE_KEY!r}"
+        )
+    return validate_policy_name(data[POLICY_FILE_KEY], f"{CONFIG_ENV}={path}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,18 +104,18 @@ class Settings:
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings | None:
         """Parse and validate; raises PluginConfigError on any bad value."""
         env = os.environ if env is None else env
-        raw_policy = env.get(ENV_POLICY, "").strip()
-        raw_config = env.get(ENV_CONFIG, "").strip()
+        raw_policy = env.get(POLICY_ENV, "").strip()
+        raw_config = env.get(CONFIG_ENV, "").strip()
         if not raw_policy and not raw_config:
             return None
-        raw_poll = env.get(ENV_POLL_MS, str(DEFAULT_POLL_MS)).strip()
+        raw_poll = env.get(POLL_MS_ENV, str(DEFAULT_POLL_MS)).strip()
         try:
             poll_ms = int(raw_poll)
         except ValueError:
             poll_ms = -1
         if poll_ms < 10:
-            raise PluginConfigError(f"{ENV_POLL_MS}={raw_poll!r}: expected an integer >= 10")
-        policy = validate_policy_name(raw_policy, ENV_POLICY) if raw_policy else None
+            raise PluginConfigError(f"{POLL_MS_ENV}={raw_poll!r}: expected an integer >= 10")
+        policy = validate_policy_name(raw_policy, POLICY_ENV) if raw_policy else None
         config_path = Path(raw_config) if raw_config else None
         if config_path is not None:
             policy = read_policy_file(config_path)

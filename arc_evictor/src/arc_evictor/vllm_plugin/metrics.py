@@ -2,7 +2,7 @@
 
 vLLM's API server serves ``/metrics`` from prometheus_client's multiprocess collector when
 ``PROMETHEUS_MULTIPROC_DIR`` is set; the engine core runs in another process, so these metrics
-only reach ``/metrics`` in that mode (``arc_dev.vllm_server`` sets it; pods must too).
+only reach ``/metrics`` in that mode (``arc_harness.vllm_server`` sets it; pods must too).
 Gauges carry a ``multiprocess_mode`` so values from several engine cores combine sensibly.
 
 Counters are published as deltas of the pool's and the policy's own counts at step boundaries

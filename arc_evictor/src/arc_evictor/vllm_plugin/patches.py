@@ -37,6 +37,7 @@ from vllm.v1.simple_kv_offload import manager as simple_kv_offload
 from arc_evictor.vllm_plugin.auth import authenticate_every_path
 from arc_evictor.vllm_plugin.block_pool import Allocation, BlockPool, PolicyBlockPool
 from arc_evictor.vllm_plugin.version import TARGET_VLLM, UnsupportedVllmError, vllm_series
+from arc_serving_common.names import CONFIG_ENV, POLICY_ENV
 
 # private: a private attribute read or called; patched: replaced in vLLM by the plugin;
 # overridden: a ``BlockPool`` method ``PolicyBlockPool`` redefines.
@@ -254,7 +255,7 @@ LAZY_OFFLOAD_REFUSED = (
     '(kv_connector_extra_config "lazy_offload": true): it finds the blocks to offload by '
     "walking the device pool's free_block_queue, where the plugin keeps only blocks without "
     "a hash, so it would never offload a cached block. Use the connector's eager mode, or "
-    "unset ARC_EVICTOR_POLICY/ARC_EVICTOR_CONFIG."
+    f"unset {POLICY_ENV}/{CONFIG_ENV}."
 )
 
 
@@ -273,8 +274,8 @@ def check_supported_layout(manager: Any) -> None:
         raise UnsupportedVllmError(
             "arc_evictor drives KV cache groups of full, sliding-window and chunked local "
             f"attention; this model's layout is [{describe_layout(manager)}] "
-            f"({', '.join(unsupported)} unsupported). Unset ARC_EVICTOR_POLICY/"
-            "ARC_EVICTOR_CONFIG for this model."
+            f"({', '.join(unsupported)} unsupported). Unset {POLICY_ENV}/{CONFIG_ENV} "
+            "for this model."
         )
     if manager.coordinator.enable_partial_hash_hits:
         raise UnsupportedVllmError(

@@ -10,6 +10,8 @@ installed version.
 
 from __future__ import annotations
 
+from arc_serving_common.names import CONFIG_ENV, POLICY_ENV
+
 # Release series -> the release the plugin's vLLM internals were read in (docs/plugin.md,
 # "Supported vLLM and models").
 TARGET_VLLM = {"0.32": "0.32.0", "0.33": "0.33.0"}
@@ -44,8 +46,8 @@ def vllm_series(version: str | None = None) -> str:
     written = ", ".join(TARGET_VLLM.values())
     raise UnsupportedVllmError(
         f"arc_evictor's vLLM plugin supports vLLM {supported} (written against {written}); "
-        f"found vLLM {version}. Install one of those or unset ARC_EVICTOR_POLICY and "
-        "ARC_EVICTOR_CONFIG to run without the plugin."
+        f"found vLLM {version}. Install one of those or unset {POLICY_ENV} and {CONFIG_ENV} "
+        "to run without the plugin."
     )
 
 

@@ -56,7 +56,6 @@ from arc_operator.manifests.router import (
 )
 from arc_operator.manifests.serving import (
     CONFIG_DIR,
-    CONFIG_ENV,
     CONFIG_KEY,
     CONTAINER,
     GPU_RESOURCE,
@@ -65,7 +64,6 @@ from arc_operator.manifests.serving import (
     METRICS_DIR,
     METRICS_DIR_ENV,
     METRICS_SIZE_LIMIT,
-    POLICY_ENV,
     RUN_AS,
     SHM_DIR,
     TMP_SIZE_LIMIT,
@@ -84,7 +82,6 @@ from arc_operator.manifests.serving import (
 __all__ = [
     "COMPONENT_LABEL",
     "CONFIG_DIR",
-    "CONFIG_ENV",
     "CONFIG_KEY",
     "CONTAINER",
     "ENGINE_NAME",
@@ -101,7 +98,6 @@ __all__ = [
     "METRICS_DIR",
     "METRICS_DIR_ENV",
     "METRICS_SIZE_LIMIT",
-    "POLICY_ENV",
     "POLICY_LABEL",
     "PORT",
     "PORT_NAME",

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from arc_operator import GROUP
-from arc_operator.models import API_KEY_ENV, ServingPolicySpec
+from arc_operator.models import ServingPolicySpec
+from arc_serving_common.names import API_KEY_ENV
 
 # Both the serving pods and the router serve their API on 8000.
 PORT = 8000

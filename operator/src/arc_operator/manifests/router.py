@@ -36,7 +36,8 @@ from arc_operator.manifests.common import (
     router_selector_labels,
     tcp,
 )
-from arc_operator.models import API_KEY_ENV, RoutingPolicy, ServingPolicySpec
+from arc_operator.models import RoutingPolicy, ServingPolicySpec
+from arc_serving_common.names import API_KEY_ENV
 
 # The router (vllm-router 0.1.17): its API on 8000 like the serving pods, /metrics on 29000.
 ROUTER_CONTAINER = "router"

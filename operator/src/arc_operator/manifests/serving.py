@@ -38,12 +38,11 @@ from arc_operator.manifests.common import (
     tcp,
 )
 from arc_operator.models import NO_TELEMETRY_ENV, RoutingPolicy, ServingPolicySpec, SwitchMode
+from arc_serving_common.names import CONFIG_ENV, POLICY_ENV, policy_file_text
 
 CONTAINER = "vllm"
 CONFIG_DIR = "/etc/arc-evictor"
 CONFIG_KEY = "policy.json"
-CONFIG_ENV = "ARC_EVICTOR_CONFIG"
-POLICY_ENV = "ARC_EVICTOR_POLICY"
 # The plugin's arc_evictor_* metrics are written by the engine-core process and reach the
 # API server's /metrics only through prometheus_client's multiprocess files: an emptyDir,
 # fresh at every pod start as vLLM wants.
@@ -94,7 +93,7 @@ def _metadata(name: str, namespace: str, owner: str) -> dict[str, Any]:
 
 def policy_json(spec: ServingPolicySpec) -> str:
     """The plugin's config file: ``{"policy": "arc"}`` (lower-case policy name)."""
-    return json.dumps({"policy": spec.policy_name})
+    return policy_file_text(spec.policy_name)
 
 
 def config_map(name: str, namespace: str, spec: ServingPolicySpec) -> dict[str, Any]:

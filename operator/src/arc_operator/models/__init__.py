@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from arc_operator.models.settings import OperatorConfig
 from arc_operator.models.spec import (
-    API_KEY_ENV,
     DEFAULT_FLEET_ROUTING,
     NO_TELEMETRY_ENV,
     OWNED_ENV,
@@ -27,7 +26,6 @@ from arc_operator.models.spec import (
 )
 
 __all__ = [
-    "API_KEY_ENV",
     "DEFAULT_FLEET_ROUTING",
     "NO_TELEMETRY_ENV",
     "OWNED_ENV",

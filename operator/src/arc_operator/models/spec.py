@@ -16,7 +16,7 @@ from pydantic import ConfigDict, Field, ValidationError, field_validator, model_
 
 from arc_operator import PLURAL
 from arc_operator.models.base import FrozenModel
-from arc_serving_common.names import POLICY_NAMES
+from arc_serving_common.names import API_KEY_ENV, CONFIG_ENV, POLICY_ENV, POLICY_NAMES
 
 # Policy names as the custom resource spells them (upper case), generated from the shared
 # names so that a new policy is valid here, in the CRD enum and in the docs at once.
@@ -56,9 +56,8 @@ QUANTITY_PATTERN = (
     r"^\+?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))"
     r"(([KMGTPE]i)|[numkMGTPE]|([eE][+-]?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
 )
-# The variable vLLM reads its API key from (vllm.envs); the operator fills it from the Secret
-# that apiKeySecretRef names, so env may not set it.
-API_KEY_ENV = "VLLM_API_KEY"
+# API_KEY_ENV is the variable vLLM reads its API key from (vllm.envs); the operator fills it
+# from the Secret that apiKeySecretRef names, so env may not set it.
 # Where vLLM, Hugging Face, torch and triton write (home, caches, temp files): the operator
 # points them at the pod's emptyDirs, since the root filesystem is read-only.
 WRITABLE_DIR_ENV = frozenset({"HOME", "TMPDIR", "XDG_CACHE_HOME", "XDG_CONFIG_HOME"})
@@ -67,7 +66,7 @@ WRITABLE_DIR_ENV = frozenset({"HOME", "TMPDIR", "XDG_CACHE_HOME", "XDG_CONFIG_HO
 NO_TELEMETRY_ENV = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
 # Environment variables the operator sets itself; env may not override them.
 OWNED_ENV = (
-    frozenset({"ARC_EVICTOR_CONFIG", "ARC_EVICTOR_POLICY", "PROMETHEUS_MULTIPROC_DIR", API_KEY_ENV})
+    frozenset({CONFIG_ENV, POLICY_ENV, "PROMETHEUS_MULTIPROC_DIR", API_KEY_ENV})
     | WRITABLE_DIR_ENV
     | frozenset(NO_TELEMETRY_ENV)
 )
@@ -429,7 +428,7 @@ class ServingPolicySpec(FrozenModel):
     api_key_secret_ref: SecretKeyRef | None = Field(
         default=None,
         description="Secret key holding the API key clients must send as 'Authorization: "
-        "Bearer KEY' on /v1 (the pods read it from env VLLM_API_KEY at start).",
+        f"Bearer KEY' on /v1 (the pods read it from env {API_KEY_ENV} at start).",
     )
     allow_unauthenticated: bool = Field(
         default=False,
@@ -517,7 +516,7 @@ class ServingPolicySpec(FrozenModel):
             owned.remove("--api-key")
             problems.append(
                 "routing.args may not set --api-key (the router reads the key from "
-                "apiKeySecretRef's Secret through VLLM_API_KEY)"
+                f"apiKeySecretRef's Secret through {API_KEY_ENV})"
             )
         if owned:
             problems.append(

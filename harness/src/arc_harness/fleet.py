@@ -3,14 +3,14 @@
 The fleet is what a ServingPolicy with ``spec.replicas > 1`` runs in a cluster
 (docs/architecture.md, "Routing"), on 127.0.0.1 with fixed ports:
 
-- server ``i`` (``FleetServer``, an ``arc_dev.vllm_server.VllmServer``) serves HTTP on
+- server ``i`` (``FleetServer``, an ``arc_harness.vllm_server.VllmServer``) serves HTTP on
   ``port_base + 10 * i``, publishes vLLM's KV-cache events over ZMQ on ``+ 1`` (topic ``""``,
   the router subscribes to every topic) and serves their replay on ``+ 2``; it runs the plugin
   with its own policy file (``ARC_EVICTOR_CONFIG``), block size ``BLOCK_TOKENS`` and a cache
   of ``capacity_blocks`` blocks, and ``--enable-scale-out`` as the operator's serving pods run
   (the router renders text prompts through it; token-id prompts, which the load test sends,
   reach kv_aware's index without it: ``vllm_router_kv_routing_inputs_total{result="token_ids"}``);
-- the router (``FleetRouter``, the ``vllm-router`` console script of the dev venv) listens on
+- the router (``FleetRouter``, the ``vllm-router`` console script next to this Python) listens on
   ``port_base + 90`` and exports Prometheus metrics on ``port_base + 91``, with ``--policy P``
   and static ``--worker-urls``; for ``kv_aware`` also ``--kv-event-source URL=tcp://…``,
   ``--kv-event-replay-source``, ``--kv-event-block-size BLOCK_TOKENS`` and
@@ -74,9 +74,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from arc_dev.vllm_server import VllmServer
-from arc_evictor.policies import policy_names
-from arc_serving_common.names import CONFIG_ENV, POLL_MS_ENV, policy_file_text
+from arc_harness.vllm_server import VllmServer
+from arc_serving_common.names import CONFIG_ENV, POLICY_NAMES, POLL_MS_ENV, policy_file_text
 
 BLOCK_TOKENS = 32  # vLLM's CPU build needs a multiple of 32; the router gets the same
 ROUTER_POLICIES = (
@@ -97,7 +96,7 @@ POLL_MS = 100  # how often the plugin reads its policy file
 SWITCH_TIMEOUT_S = 60.0
 RESET_TIMEOUT_S = 30.0
 ROUTER_TIMEOUT_S = 60.0
-SERVER_NICE = 5  # below the load generator, as in arc_dev.demo
+SERVER_NICE = 5  # below the load generator, as in the demos
 
 
 # A parsed Prometheus page: sample name -> [(labels, value), ...].
@@ -351,7 +350,7 @@ class FleetRouter:
         if self._proc is not None:
             raise RuntimeError("FleetRouter already started")
         if not ROUTER_BINARY.is_file():
-            raise FleetError(f"no router at {ROUTER_BINARY}: the dev venv installs vllm-router")
+            raise FleetError(f"no router at {ROUTER_BINARY}: install arc-serving-harness")
         # Else another process on the port would answer /health in this router's place.
         check_ports_free([self.port, self.metrics_port])
         with open(self.log_path, "ab") as log:
@@ -478,9 +477,9 @@ class Fleet:
         if not 1 <= replicas <= MAX_REPLICAS:
             raise ValueError(f"replicas must be between 1 and {MAX_REPLICAS}, got {replicas}")
         check_router_policy(policy)
-        if eviction not in policy_names():
+        if eviction not in POLICY_NAMES:
             raise ValueError(
-                f"unknown eviction policy {eviction!r}; valid policies: {', '.join(policy_names())}"
+                f"unknown eviction policy {eviction!r}; valid policies: {', '.join(POLICY_NAMES)}"
             )
         if not 1024 <= port_base <= 65535 - 100:
             raise ValueError(f"port_base must be between 1024 and 65435, got {port_base}")
@@ -615,9 +614,9 @@ class Fleet:
 
     def switch_policy(self, name: str) -> None:
         """Switch every running server's eviction policy live; wait until each reports it."""
-        if name not in policy_names():
+        if name not in POLICY_NAMES:
             raise ValueError(
-                f"unknown eviction policy {name!r}; valid policies: {', '.join(policy_names())}"
+                f"unknown eviction policy {name!r}; valid policies: {', '.join(POLICY_NAMES)}"
             )
         for server in self.servers:
             write_policy_file(server.policy_file, name)

@@ -1,9 +1,10 @@
 """The chart's Grafana dashboards as code, built with Grafana's Python SDK (grafana-foundation-sdk).
 
-``python -m arc_dev.dashboards charts/arc-serving/dashboards`` writes ``overview.json``,
-``arc-internals.json`` and ``routing.json`` there; the chart ships those files
-(templates/dashboards-configmap.yaml) and tests/chart/test_dashboards.py fails when they differ
-from what this module builds.
+``python charts/arc-serving/dashboards/generate.py`` (``make dashboards``) writes
+``overview.json``, ``arc-internals.json`` and ``routing.json`` next to this file; the chart
+ships those files (templates/dashboards-configmap.yaml) but not this generator (.helmignore),
+and tests/chart/test_dashboards.py fails when they differ from what it builds. It needs only
+grafana-foundation-sdk (the root pyproject's ``dev`` group).
 
 Every query selects the engines by the dashboard variables ``$namespace``, ``$servingpolicy`` and
 ``$pod`` (the routers by the first two) and reads through the ``$datasource`` variable. The
@@ -16,11 +17,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import re
 import sys
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
@@ -32,6 +30,7 @@ from grafana_foundation_sdk.models import common
 from grafana_foundation_sdk.models import dashboard as dashboard_models
 from grafana_foundation_sdk.models import prometheus as prometheus_models
 
+HERE = Path(__file__).resolve().parent
 DATASOURCE = dashboard_models.DataSourceRef(type_val="prometheus", uid="${datasource}")
 ENGINES = 'namespace=~"$namespace", servingpolicy=~"$servingpolicy", pod=~"$pod"'
 # The routers of the selected ServingPolicies (their pods are not among the $pod options, which
@@ -640,117 +639,18 @@ def render(name: str) -> str:
     return json.dumps(built, indent=2) + "\n"
 
 
-def load(name: str) -> dict[str, Any]:
-    """Dashboard ``name`` as Grafana reads it."""
-    return json.loads(render(name))
-
-
-# ------------------------------------------------------- what Grafana sends to Prometheus
-# Grafana's default maxDataPoints is the panel's width in pixels: a half-width panel on a
-# 1920-pixel screen is about this wide.
-MAX_DATA_POINTS = 900
-# Characters Grafana's Prometheus data source escapes in a regex-matched variable value
-# (prometheusSpecialRegexEscape); the backslash is doubled once more for the PromQL string.
-REGEX_SPECIAL = re.compile(r"[$^*{}\[\]'+?.()|]")
-
-
-@dataclass(frozen=True, slots=True)
-class PanelQuery:
-    """One query of one panel, with what the panel shows it as."""
-
-    panel: str
-    ref_id: str
-    expr: str
-    legend: str
-    unit: str
-
-
-def panel_queries(dashboard: dict[str, Any]) -> list[PanelQuery]:
-    """Every panel target of ``dashboard`` (rows have none), in panel order."""
-    return [
-        PanelQuery(
-            panel["title"],
-            target["refId"],
-            target["expr"],
-            target.get("legendFormat", ""),
-            panel["fieldConfig"]["defaults"].get("unit", ""),
-        )
-        for panel in dashboard["panels"]
-        for target in panel.get("targets", [])
-    ]
-
-
-def duration(seconds: float) -> str:
-    """A PromQL duration as Grafana writes an interval (whole seconds, else milliseconds)."""
-    return f"{seconds:g}s" if float(seconds).is_integer() else f"{round(seconds * 1000)}ms"
-
-
-@dataclass(frozen=True, slots=True)
-class Intervals:
-    """Grafana's interval variables for one time range (docs: "Global variables").
-
-    ``$__interval`` is the range over the panel's maxDataPoints, never under the data
-    source's scrape interval (its min interval) or a query's own minimum step;
-    ``$__rate_interval`` is max($__interval + scrape interval, 4 * scrape interval).
-    The range query's step is ``$__interval``.
-    """
-
-    interval_s: float
-    rate_interval_s: float
-
-    @classmethod
-    def for_range(
-        cls, range_s: float, scrape_interval_s: float, min_step_s: float = 0.0
-    ) -> Intervals:
-        interval = max(range_s / MAX_DATA_POINTS, scrape_interval_s, min_step_s)
-        # Grafana steps in whole milliseconds, whole seconds from one second on.
-        interval = math.ceil(interval) if interval >= 1 else math.ceil(interval * 1000) / 1000
-        interval = float(interval)
-        return cls(interval, float(max(interval + scrape_interval_s, 4 * scrape_interval_s)))
-
-    def align(self, start: float, end: float) -> tuple[float, float]:
-        """The range Grafana asks for: both ends floored to a multiple of the step."""
-        return (
-            math.floor(start / self.interval_s) * self.interval_s,
-            math.floor(end / self.interval_s) * self.interval_s,
-        )
-
-
-def variable_value(values: Sequence[str] | None) -> str:
-    """A multi-value, include-All variable as Grafana puts it into a ``=~`` matcher.
-
-    ``None`` is "All" (the variables' allValue ``.*``); one value is regex-escaped, several
-    become ``(a|b)``.
-    """
-    if values is None:
-        return ".*"
-    escaped = [
-        REGEX_SPECIAL.sub(lambda m: "\\\\" + m.group(), value.replace("\\", "\\" * 4))
-        for value in values
-    ]
-    return escaped[0] if len(escaped) == 1 else "(" + "|".join(escaped) + ")"
-
-
-def expand(expr: str, intervals: Intervals, selection: Mapping[str, Sequence[str] | None]) -> str:
-    """``expr`` with Grafana's interval variables and the dashboard variables filled in."""
-    expr = re.sub(r"\$\{?__rate_interval\}?", duration(intervals.rate_interval_s), expr)
-    expr = re.sub(r"\$\{?__interval\}?", duration(intervals.interval_s), expr)
-    for name in sorted(selection, key=len, reverse=True):
-        expr = re.sub(
-            rf"\$\{{{name}\}}|\${name}\b",
-            lambda _, name=name: variable_value(selection[name]),
-            expr,
-        )
-    if "$" in expr:
-        raise ValueError(f"a variable is left unexpanded in {expr!r}")
-    return expr
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m arc_dev.dashboards", description=__doc__.splitlines()[0]
+        prog="python charts/arc-serving/dashboards/generate.py",
+        description=__doc__.splitlines()[0],
     )
-    parser.add_argument("folder", type=Path, help="where to write the dashboards' JSON files")
+    parser.add_argument(
+        "folder",
+        type=Path,
+        nargs="?",
+        default=HERE,
+        help="where to write the dashboards' JSON files (default: next to this file)",
+    )
     args = parser.parse_args(argv)
     args.folder.mkdir(parents=True, exist_ok=True)
     for name in DASHBOARDS:

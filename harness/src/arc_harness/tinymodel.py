@@ -185,9 +185,9 @@ def special_token_ids() -> tuple[int, ...]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """CLI: ``python -m arc_dev.tinymodel OUT_DIR [--seed N]``."""
+    """CLI: ``python -m arc_harness.tinymodel OUT_DIR [--seed N]``."""
     parser = argparse.ArgumentParser(
-        prog="python -m arc_dev.tinymodel",
+        prog="python -m arc_harness.tinymodel",
         description="Build a tiny random-weight Llama with a locally trained tokenizer.",
     )
     parser.add_argument("out_dir", type=Path)

@@ -1,0 +1,2 @@
+"""arc-serving's harness of real components, never shipped: vLLM server, tiny model, fleet,
+Prometheus."""
