@@ -57,23 +57,26 @@ test-fast: $(STAMP) tools
 	$(PY) -m pytest -m "not vllm and not locust and not slow"
 
 # The plugin's KVCacheManager-level tests against vLLM 0.33 in a second venv. PyPI has no CPU
-# build of 0.33; its main wheel (torch 2.14.0 with CUDA libraries, about 9.4 GB) still imports
-# the KV cache manager on a CPU-only machine, but its server cannot start without a GPU, so the
-# server tests (marked slow) run on 0.32's CPU build only. The harness (its tiny model and server
-# wrapper) installs here as it is: it pulls no vLLM or torch. The demos and benches (dev/) stay
-# out; the plugin tests that import them skip here.
+# build of 0.33, and its main wheel pins torch 2.14.0 with CUDA libraries (about 9 GB). Its KV
+# cache manager and block pool are pure Python, so the wheel goes in with --no-deps (about
+# 0.9 GB) and the dev venv's packages (torch 2.13.0, the products, pytest) are added after its
+# own by a .pth file: `import vllm` is 0.33, everything else is shared. Its server cannot start
+# without a GPU, so the server tests (marked slow) run on 0.32's CPU build only.
 VENV_VLLM033 := .venv-vllm033
 STAMP_VLLM033 := $(VENV_VLLM033)/.installed-stamp
+VLLM033 := vllm==0.33.0
+purelib = $$($(1) -c 'import sysconfig; print(sysconfig.get_path("purelib"))')
 
-$(STAMP_VLLM033): arc_evictor/pyproject.toml harness/pyproject.toml dev/install_vllm_cpu.py
+$(STAMP_VLLM033): $(STAMP)
+	rm -rf $(VENV_VLLM033)
 	$(PYTHON) -m venv $(VENV_VLLM033)
-	$(VENV_VLLM033)/bin/python -m pip install --quiet --upgrade pip
-	$(VENV_VLLM033)/bin/python dev/install_vllm_cpu.py --package vllm==0.33.0 --torch 2.14.0
-	$(VENV_VLLM033)/bin/python -m pip install --quiet -e common -e arc_evictor -e simulator -e harness \
-	  "pytest>=8" "pytest-timeout>=2.3" "pytest-asyncio>=1.0" "hypothesis>=6.100" prometheus-client
+	$(VENV_VLLM033)/bin/python -m pip install --quiet --no-deps "$(VLLM033)"
+	echo "import site; site.addsitedir('$(call purelib,$(PY))')" \
+	  > "$(call purelib,$(VENV_VLLM033)/bin/python)/arc_serving_dev_venv.pth"
 	touch $@
 
 test-vllm033: $(STAMP_VLLM033)
+	$(VENV_VLLM033)/bin/python -c "import vllm; assert vllm.__version__ == '0.33.0', vllm.__version__"
 	$(VENV_VLLM033)/bin/python -m pytest tests/plugin -m "not slow"
 
 bench: $(STAMP)
@@ -193,8 +196,9 @@ audit: $(AUDIT_STAMP) $(HELM) $(STAMP)
 # kube-apiserver, kube-controller-manager and kube-scheduler built from the Go module proxy
 # (cluster/tools/kubernetes/go.mod pins k8s.io/kubernetes v1.35.4 and its staging modules),
 # kwok and kwokctl likewise (cluster/tools/kwok/go.mod), run by kwokctl's binary runtime with
-# three fake kwok nodes. Each binary is rebuilt only when its go.mod or go.sum changes; Go's
-# module and build caches stay in their default places.
+# three fake kwok nodes. Each binary is rebuilt only when its go.mod or go.sum changes (touched
+# after the build: `go build` leaves an up-to-date output file as it was); Go's module and
+# build caches stay in their default places.
 CLUSTER_OUT := $(OUT)/cluster
 K8S_MOD := cluster/tools/kubernetes
 KWOK_MOD := cluster/tools/kwok
@@ -213,16 +217,19 @@ CLUSTER_KWOK_BINS := $(TOOLS)/bin/kwok $(TOOLS)/bin/kwokctl
 $(TOOLS)/bin/etcd: $(K8S_MOD)/go.mod $(K8S_MOD)/go.sum
 	@mkdir -p $(TOOLS)/bin
 	cd $(K8S_MOD) && CGO_ENABLED=0 go build -ldflags "-s -w" -o $(CURDIR)/$@ go.etcd.io/etcd/server/v3
+	@touch $@
 
 $(filter-out %/etcd,$(CLUSTER_K8S_BINS)): $(TOOLS)/bin/%: $(K8S_MOD)/go.mod $(K8S_MOD)/go.sum
 	@mkdir -p $(TOOLS)/bin
 	cd $(K8S_MOD) && CGO_ENABLED=0 go build -ldflags "$(K8S_LDFLAGS)" -o $(CURDIR)/$@ \
 	  k8s.io/kubernetes/cmd/$*
+	@touch $@
 
 $(CLUSTER_KWOK_BINS): $(TOOLS)/bin/%: $(KWOK_MOD)/go.mod $(KWOK_MOD)/go.sum
 	@mkdir -p $(TOOLS)/bin
 	cd $(KWOK_MOD) && CGO_ENABLED=0 go build -ldflags "-s -w" -o $(CURDIR)/$@ \
 	  sigs.k8s.io/kwok/cmd/$*
+	@touch $@
 
 # The Prometheus Operator's CRDs (PodMonitor, ServiceMonitor, PrometheusRule) for the chart's
 # monitoring variants in tests/cluster, from the Go module of the same project.

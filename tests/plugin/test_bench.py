@@ -3,14 +3,11 @@ not a test's)."""
 
 from __future__ import annotations
 
-import pytest
-
-# The bench is arc-serving-dev's, which only .venv installs (not .venv-vllm033).
-bench_plugin = pytest.importorskip("arc_dev.bench.plugin")
+from arc_dev.bench.plugin import bench_block_pool
 
 
 def test_bench_counts_the_same_block_operations_and_lru_decisions_for_every_pool() -> None:
-    rows = bench_plugin.bench_block_pool(num_blocks=64, requests=120, repeats=1)
+    rows = bench_block_pool(num_blocks=64, requests=120, repeats=1)
     assert [(row["pool"], row["policy"]) for row in rows] == [
         ("vllm-native", "lru"),
         ("plugin", "lru"),

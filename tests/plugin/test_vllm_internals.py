@@ -22,6 +22,7 @@ from managers import make_manager
 from vllm.entrypoints.serve.middleware.authenticate import AuthenticationMiddleware
 from vllm.v1.core.block_pool import BlockPool
 
+import arc_dev.bench.plugin as bench_plugin
 import arc_evictor.vllm_plugin as plugin
 from arc_evictor.vllm_plugin import patches
 from arc_evictor.vllm_plugin.block_pool import PolicyBlockPool
@@ -29,11 +30,6 @@ from arc_evictor.vllm_plugin.patches import VLLM_INTERNALS, VLLM_INTERNALS_BY_SE
 from arc_evictor.vllm_plugin.version import SUPPORTED_VLLM, TARGET_VLLM, vllm_series
 
 PLUGIN_DIR = Path(plugin.__file__).parent
-# The block-pool bench (arc-serving-dev, not installed next to every vLLM the plugin tests run
-# on): read as source, never imported.
-BENCH_PLUGIN = (
-    Path(__file__).resolve().parents[2] / "dev" / "src" / "arc_dev" / "bench" / "plugin.py"
-)
 
 
 def plugin_modules() -> dict[str, ast.Module]:
@@ -215,5 +211,5 @@ def test_installing_the_plugin_replaces_every_listed_patched_symbol(
 def test_only_the_block_pool_and_patches_modules_import_vllm_internals() -> None:
     importers = {name for name, tree in plugin_modules().items() if vllm_imports(tree)}
     assert importers == {"block_pool", "patches"}
-    bench = ast.parse(BENCH_PLUGIN.read_text())
+    bench = ast.parse(Path(bench_plugin.__file__).read_text())
     assert vllm_imports(bench) == {}
