@@ -48,13 +48,14 @@ demo: $(STAMP) $(PROMETHEUS)
 demo-fleet: $(STAMP)
 	$(PY) -m arc_dev.fleet_demo --out $(OUT)/demo-fleet
 
+# Everything; the 15 slowest tests are listed at the end.
 test: $(STAMP) tools
-	$(PY) -m pytest
+	$(PY) -m pytest --durations=15
 
 # The fast tier for a developer's loop: everything that starts no vLLM server, no Locust run
-# and nothing else marked slow.
+# and nothing else marked slow, with a tenth of each fuzz target's cases.
 test-fast: $(STAMP) tools
-	$(PY) -m pytest -m "not vllm and not locust and not slow"
+	ARC_FUZZ_FRACTION=0.1 $(PY) -m pytest -m "not vllm and not locust and not slow"
 
 # The plugin's KVCacheManager-level tests against vLLM 0.33 in a second venv. PyPI has no CPU
 # build of 0.33, and its main wheel pins torch 2.14.0 with CUDA libraries (about 9 GB). Its KV

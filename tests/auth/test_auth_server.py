@@ -21,7 +21,6 @@ import pytest
 import requests
 import yaml
 
-from arc_harness.tinymodel import build_tiny_llama
 from arc_harness.vllm_server import VllmServer
 from arc_loadtest.run import ReplayRun, run_replay
 from tests.replay_budget import replay_run_time_s
@@ -34,14 +33,10 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_llama(tmp_path_factory.mktemp("auth-model") / MODEL)
-
-
-@pytest.fixture(scope="module")
 def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
     log = tmp_path_factory.mktemp("auth-vllm") / "vllm.log"
-    with VllmServer(model_dir, block_size=BLOCK_TOKENS, num_gpu_blocks=64, log_path=log) as srv:
+    with VllmServer(model_dir, block_size=BLOCK_TOKENS, num_gpu_blocks=64, served_model_name=MODEL,
+                    log_path=log) as srv:  # fmt: skip
         yield srv
 
 

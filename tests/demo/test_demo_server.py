@@ -13,7 +13,6 @@ import pytest
 
 from arc_dev import demo
 from arc_dev.pacing import measure_cost
-from arc_harness.tinymodel import build_tiny_llama
 from arc_harness.vllm_server import VllmServer
 from arc_serving_common.traces import load_trace
 from arc_simulator.simulate import simulate
@@ -22,11 +21,6 @@ from tests.replay_budget import replay_run_time_s
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 CAPACITY = 64  # blocks: no eviction for the short trace below
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_llama(tmp_path_factory.mktemp("demo-model"))
 
 
 @pytest.fixture(scope="module")

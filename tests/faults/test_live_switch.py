@@ -24,7 +24,6 @@ from pathlib import Path
 import pytest
 import requests
 
-from arc_harness.tinymodel import build_tiny_llama
 from arc_harness.vllm_server import VllmServer
 from arc_loadtest.run import run_replay
 from arc_loadtest.stream import completion_body
@@ -51,11 +50,6 @@ SWITCH_LINE = re.compile(
     r"resident blocks kept; vLLM's prefix cache: (?P<tracked>\d+) of (?P<cached>\d+) cached "
     r"blocks resident"
 )
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_llama(tmp_path_factory.mktemp("switch-model"))
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 
-from arc_harness.tinymodel import build_tiny_llama
 from arc_harness.vllm_server import VllmServer
 from arc_loadtest.run import ReplayRun, run_replay
 from tests.faults.serving import BLOCK_TOKENS, docqa_trace, metric_sum
@@ -30,11 +29,6 @@ pytestmark = [pytest.mark.vllm, pytest.mark.locust, pytest.mark.slow]
 TRACE_REQUESTS, SPACING_S = 240, 0.5
 ANSWERS_BEFORE_KILL = 5
 MAX_UNREACHABLE = 10
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_llama(tmp_path_factory.mktemp("kill-model"))
 
 
 @pytest.fixture(scope="module")

@@ -64,10 +64,10 @@ COUNTER_TIMEOUT_S = 60.0
 
 
 @pytest.fixture(scope="module")
-def fleet(fleet_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+def fleet(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     work = tmp_path_factory.mktemp("fleet")
     started = time.monotonic()
-    with Fleet(fleet_model_dir, work_dir=work, port_base=PORT_BASE, policy="kv_aware",
+    with Fleet(model_dir, work_dir=work, port_base=PORT_BASE, policy="kv_aware",
                eviction="arc") as running:  # fmt: skip
         print(f"fleet of 2 up in {time.monotonic() - started:.1f} s (logs in {work})")
         yield running
@@ -168,7 +168,7 @@ def check_summary(run: ReplayRun, failed: list[dict[str, Any]], kinds: dict[str,
 
 
 def test_router_restart_fails_only_requests_that_met_it_down(
-    ready_fleet: Fleet, fleet_model_dir: Path, tmp_path: Path
+    ready_fleet: Fleet, model_dir: Path, tmp_path: Path
 ) -> None:
     fleet = ready_fleet
     # The load is sized from a restart timed on this machine: requests at least a quarter of
@@ -181,7 +181,7 @@ def test_router_restart_fails_only_requests_that_met_it_down(
     trace = docqa_trace(tmp_path / "trace.jsonl", requests=32, spacing_s=spacing_s,
                         output_tokens=8)  # fmt: skip
     before = sum(worker_requests(fleet))
-    replay = BackgroundReplay(fleet, trace, tmp_path / "out", fleet_model_dir).start()
+    replay = BackgroundReplay(fleet, trace, tmp_path / "out", model_dir).start()
     deadline = time.monotonic() + replay.run_time_s
     while sum(worker_requests(fleet)) - before < 8:
         assert replay.alive and time.monotonic() < deadline, "the replay never got going"
@@ -282,7 +282,7 @@ def test_silent_event_stream_degrades_to_load_balancing(ready_fleet: Fleet, tmp_
 
 
 def test_killed_replica_fails_only_its_in_flight_streams(
-    ready_fleet: Fleet, fleet_model_dir: Path, tmp_path: Path
+    ready_fleet: Fleet, model_dir: Path, tmp_path: Path
 ) -> None:
     fleet = ready_fleet
     # One prefix cached on each server: the router's view keeps placing it there after a kill.
@@ -291,7 +291,7 @@ def test_killed_replica_fails_only_its_in_flight_streams(
     trace = docqa_trace(tmp_path / "trace.jsonl", requests=120, spacing_s=0.25,
                         output_tokens=48, seed=1)  # fmt: skip
     answered = sum(worker_requests(fleet))
-    replay = BackgroundReplay(fleet, trace, tmp_path / "out", fleet_model_dir).start()
+    replay = BackgroundReplay(fleet, trace, tmp_path / "out", model_dir).start()
     deadline = time.monotonic() + replay.run_time_s
     while sum(worker_requests(fleet)) - answered < 10:
         assert replay.alive and time.monotonic() < deadline, "the replay never got going"

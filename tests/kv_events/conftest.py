@@ -17,18 +17,12 @@ from pathlib import Path
 
 import pytest
 
-from arc_harness.tinymodel import build_tiny_llama
 from arc_harness.vllm_server import VllmServer
 from tests.kv_events.events import EventStream
 
 BLOCK = 32  # vLLM's CPU block size must be a multiple of 32
 NUM_BLOCKS = 17  # the null block and 16 cacheable blocks
 FIRST_POLICY = "lru"
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_llama(tmp_path_factory.mktemp("kv-events-model") / "tiny-llama")
 
 
 @pytest.fixture(scope="module")

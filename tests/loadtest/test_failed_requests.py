@@ -12,7 +12,6 @@ import pytest
 from conftest import write_lines
 
 from arc_harness.fleet import FleetServer
-from arc_harness.tinymodel import build_tiny_llama
 from arc_loadtest.run import ReplayRun, run_replay
 
 pytestmark = [pytest.mark.locust, pytest.mark.slow]
@@ -20,11 +19,6 @@ pytestmark = [pytest.mark.locust, pytest.mark.slow]
 BLOCK_TOKENS = 32
 SERVER_PORT = 47580  # nothing else of the test suite listens in 47580-47599
 SILENT_PORT = 47590  # never bound: connections to it are refused
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_llama(tmp_path_factory.mktemp("failed-requests-model"))
 
 
 def long_answers(path: Path, requests: int, output_tokens: int, spacing_s: float) -> Path:

@@ -11,7 +11,6 @@ import pytest
 import requests
 from conftest import conversation_records, write_lines
 
-from arc_harness.tinymodel import build_tiny_llama
 from arc_harness.vllm_server import VllmServer
 from arc_loadtest.replay import ServerClient
 from arc_loadtest.report import CacheCounters, parse_counters
@@ -22,11 +21,6 @@ from tests.replay_budget import replay_run_time_s
 pytestmark = [pytest.mark.vllm, pytest.mark.locust, pytest.mark.slow]
 
 BLOCK_TOKENS = 32  # vLLM's CPU block size must be a multiple of 32
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_llama(tmp_path_factory.mktemp("loadtest-model"))
 
 
 @pytest.fixture(scope="module")

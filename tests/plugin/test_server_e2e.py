@@ -18,7 +18,6 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from arc_harness.tinymodel import build_tiny_llama
 from arc_harness.vllm_server import VllmServer, VllmServerError
 from arc_serving_common.names import METRIC_NAMES
 
@@ -26,11 +25,6 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 BLOCK = 32
 NUM_BLOCKS = 17
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_llama(tmp_path_factory.mktemp("model") / "tiny-llama")
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,6 @@ from typing import Any
 import pytest
 from test_server_e2e import complete, metrics, prompt, value, wait_for
 
-from arc_harness.tinymodel import build_tiny_llama
 from arc_harness.vllm_server import VllmServer
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -48,15 +47,10 @@ MODELS: dict[str, tuple[dict[str, Any], str, int]] = {
 }
 
 
-@pytest.fixture(scope="module")
-def llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_llama(tmp_path_factory.mktemp("model") / "tiny-llama")
-
-
-def model_variant(llama: Path, tmp_path: Path, name: str) -> Path:
+def model_variant(model_dir: Path, tmp_path: Path, name: str) -> Path:
     """A copy of the tiny Llama with ``MODELS[name]``'s config changes."""
     model = tmp_path / f"tiny-{name}"
-    shutil.copytree(llama, model)
+    shutil.copytree(model_dir, model)
     config = json.loads((model / "config.json").read_text())
     config.update(MODELS[name][0])
     (model / "config.json").write_text(json.dumps(config))
@@ -65,10 +59,10 @@ def model_variant(llama: Path, tmp_path: Path, name: str) -> Path:
 
 @pytest.mark.parametrize("name", MODELS)
 def test_sliding_window_model_serves_with_the_plugin_and_hits_per_group(
-    name: str, llama: Path, tmp_path: Path
+    name: str, model_dir: Path, tmp_path: Path
 ) -> None:
     _, policy, expected_hits = MODELS[name]
-    model = model_variant(llama, tmp_path, name)
+    model = model_variant(model_dir, tmp_path, name)
     with VllmServer(
         model,
         block_size=BLOCK,
@@ -101,7 +95,7 @@ def test_sliding_window_model_serves_with_the_plugin_and_hits_per_group(
 
 
 def test_hybrid_model_hashed_finer_than_its_blocks_decodes_across_a_block(
-    llama: Path, tmp_path: Path
+    model_dir: Path, tmp_path: Path
 ) -> None:
     # A layout whose groups hash finer than their blocks, as the CPU build can make it (its
     # blocks are multiples of 32 tokens and the tiny model's layers share one page size): both
@@ -111,7 +105,7 @@ def test_hybrid_model_hashed_finer_than_its_blocks_decodes_across_a_block(
     # its 4th decode step (63 -> 64 computed tokens), which stopped the engine before the
     # plugin modelled it.
     _, policy, _ = MODELS["hybrid"]
-    model = model_variant(llama, tmp_path, "hybrid")
+    model = model_variant(model_dir, tmp_path, "hybrid")
     with VllmServer(
         model,
         block_size=BLOCK,

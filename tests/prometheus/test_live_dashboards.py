@@ -56,7 +56,6 @@ from arc_harness.prometheus import (
     panel_queries,
     pod_monitor_job,
 )
-from arc_harness.tinymodel import build_tiny_llama
 from arc_harness.vllm_server import VllmServer
 from arc_loadtest.run import run_replay
 from arc_serving_common.names import POLICY_NAMES
@@ -161,11 +160,6 @@ def switch(server: VllmServer, path: Path, policy: str) -> float:
         assert time.monotonic() < deadline, f"the engine did not switch to {policy}"
         time.sleep(0.1)
     return written
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_llama(tmp_path_factory.mktemp("live-model"))
 
 
 @pytest.fixture(scope="module")

@@ -38,6 +38,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -55,7 +56,6 @@ from arc_harness.prometheus import (
     panel_queries,
     pod_monitor_job,
 )
-from arc_harness.tinymodel import build_tiny_llama
 from tests.chart.chart_helpers import ALERTS_FILE
 from tests.prometheus.live_stack import (
     SECONDS,
@@ -270,10 +270,9 @@ class Scenario:
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    model = build_tiny_llama(tmp_path_factory.mktemp("routing-model"))
+def fleet(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     work = tmp_path_factory.mktemp("routing-fleet")
-    with Fleet(model, work_dir=work, replicas=2, policy="kv_aware", port_base=PORT_BASE,
+    with Fleet(model_dir, work_dir=work, replicas=2, policy="kv_aware", port_base=PORT_BASE,
                capacity_blocks=CAPACITY_BLOCKS, router_args=ROUTER_ARGS) as running:  # fmt: skip
         yield running
 
