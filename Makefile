@@ -48,8 +48,9 @@ demo: $(STAMP) $(PROMETHEUS)
 demo-fleet: $(STAMP)
 	$(PY) -m arc_dev.fleet_demo --out $(OUT)/demo-fleet
 
-# Everything; the 15 slowest tests are listed at the end.
-test: $(STAMP) tools
+# Everything, tests/cluster on a local control plane included (built from Go modules: see
+# cluster/README.md); the 15 slowest tests are listed at the end.
+test: $(STAMP) tools cluster-binaries cluster-crds
 	$(PY) -m pytest --durations=15
 
 # The fast tier for a developer's loop: everything that starts no vLLM server, no Locust run

@@ -15,6 +15,13 @@ access.
 ``DELEGATED`` are the grants the operator holds only to hand them on: the API server lets it
 create the router's Role (pods get, list, watch) only if it holds every permission in it.
 
+``FOR_ADMISSION`` are the grants no request of the operator uses but an admission check
+demands: every child's owner reference (``kopf.adopt``) sets ``blockOwnerDeletion``, which the
+``OwnerReferencesPermissionEnforcement`` admission plugin (on in OpenShift, and in
+tests/cluster) allows only to a user who may update the owner's ``finalizers`` subresource.
+Without it such an API server refuses every child: "cannot set blockOwnerDeletion if an
+ownerReference refers to a resource you can't set finalizers on".
+
 ``python -m arc_operator.rbac`` prints the rules as YAML; ``python -m arc_operator.rbac
 PATH`` writes them (committed at ``charts/arc-serving/files/operator-rbac-rules.yaml``).
 """
@@ -32,6 +39,7 @@ from arc_operator.generated import write_or_print
 RULES: list[dict[str, Any]] = [
     {"apiGroups": [GROUP], "resources": [PLURAL], "verbs": ["list", "watch", "patch"]},
     {"apiGroups": [GROUP], "resources": [f"{PLURAL}/status"], "verbs": ["patch"]},
+    {"apiGroups": [GROUP], "resources": [f"{PLURAL}/finalizers"], "verbs": ["update"]},
     {
         "apiGroups": ["apps"],
         "resources": ["deployments"],
@@ -62,6 +70,8 @@ RULES: list[dict[str, Any]] = [
 ]
 # (group, resource, verb) granted only so that the operator may grant it to the router's Role.
 DELEGATED = frozenset({("", "pods", "get")})
+# (group, resource, verb) granted only for an admission check on the children's owner references.
+FOR_ADMISSION = frozenset({(GROUP, f"{PLURAL}/finalizers", "update")})
 
 
 def render_rules() -> str:

@@ -1,0 +1,385 @@
+"""Start, reuse and stop the local control plane (kwokctl's binary runtime, our own binaries).
+
+Everything lives under one output folder (`out/cluster` from the Makefile):
+
+- `kwok/`: kwokctl's work dir (`KWOK_WORKDIR`): its config, PKI, etcd data, pid files, logs;
+- `kubeconfig`: the admin kubeconfig (client certificate from kwokctl's PKI).
+
+kwokctl is given every binary it runs as a local path, and every download prefix points at a
+folder that does not exist, so a component we forgot fails at once instead of downloading.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+BIN_DIR = REPO / ".tools" / "bin"
+CLUSTER_NAME = "arc-serving"
+KUBE_VERSION = "v1.35.4"
+NODE_NAMES = ("kwok-node-0", "kwok-node-1", "kwok-node-2")
+# What each fake node advertises: enough for the chart's GPU engine (1 GPU, 4 CPUs, 32Gi each).
+NODE_CAPACITY = {"cpu": "32", "memory": "256Gi", "pods": "110", "nvidia.com/gpu": "8"}
+# kwokctl's environment variable for each binary it runs, and the file in BIN_DIR.
+BINARY_ENV = {
+    "KWOK_ETCD_BINARY": "etcd",
+    "KWOK_KUBE_APISERVER_BINARY": "kube-apiserver",
+    "KWOK_KUBE_CONTROLLER_MANAGER_BINARY": "kube-controller-manager",
+    "KWOK_KUBE_SCHEDULER_BINARY": "kube-scheduler",
+    "KWOK_CONTROLLER_BINARY": "kwok",
+    "KWOK_KUBECTL_BINARY": "kubectl",
+}
+# Download prefixes of components we do not give a binary for: a local folder that does not
+# exist, so kwokctl fails with "no such file" rather than reaching for the internet.
+NO_DOWNLOAD_PREFIX_ENV = (
+    "KWOK_KUBE_BINARY_PREFIX",
+    "KWOK_ETCD_BINARY_PREFIX",
+    "KWOK_BINARY_PREFIX",
+    "KWOK_PROMETHEUS_BINARY_PREFIX",
+    "KWOK_METRICS_SERVER_BINARY_PREFIX",
+    "KWOK_JAEGER_BINARY_PREFIX",
+    "KWOK_KIND_BINARY_PREFIX",
+)
+
+
+# The API server's admission: its default plugins (`--kube-admission`) plus
+# OwnerReferencesPermissionEnforcement, on by default in OpenShift: an owner reference with
+# blockOwnerDeletion (kopf.adopt sets it) needs update on the owner's finalizers subresource.
+EXTRA_ARGS = ("kube-apiserver=enable-admission-plugins=OwnerReferencesPermissionEnforcement",)
+# kwokctl's configuration: every component listens on the loopback address only (kwokctl's
+# default, 0.0.0.0, would put an unauthenticated etcd on every interface of the machine).
+KWOKCTL_CONFIG = """\
+apiVersion: config.kwok.x-k8s.io/v1alpha1
+kind: KwokctlConfiguration
+options:
+  bindAddress: 127.0.0.1
+"""
+
+
+# The API server's audit policy: request metadata (user, verb, resource, decision, the
+# `k8s.io/deprecated` annotation) of every service account's request, nothing of anybody else
+# (the control plane and kubectl), into kwok/clusters/NAME/logs/audit.log.
+AUDIT_POLICY = """\
+apiVersion: audit.k8s.io/v1
+kind: Policy
+omitStages: [RequestReceived]
+rules:
+  - level: Metadata
+    userGroups: ["system:serviceaccounts"]
+  - level: None
+"""
+
+
+class ClusterError(RuntimeError):
+    """The control plane did not come up or go down as asked."""
+
+
+def node_manifest(name: str) -> dict[str, Any]:
+    """A fake node kwok manages (annotation `kwok.x-k8s.io/node: fake`), as kwok's docs show,
+    without the docs' NoSchedule taint: nothing real ever runs here, and the chart's pods do not
+    tolerate it."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": {
+            "name": name,
+            "annotations": {"node.alpha.kubernetes.io/ttl": "0", "kwok.x-k8s.io/node": "fake"},
+            "labels": {
+                "beta.kubernetes.io/arch": "amd64",
+                "beta.kubernetes.io/os": "linux",
+                "kubernetes.io/arch": "amd64",
+                "kubernetes.io/hostname": name,
+                "kubernetes.io/os": "linux",
+                "kubernetes.io/role": "agent",
+                "node-role.kubernetes.io/agent": "",
+                "type": "kwok",
+            },
+        },
+        "status": {
+            "allocatable": dict(NODE_CAPACITY),
+            "capacity": dict(NODE_CAPACITY),
+            "nodeInfo": {
+                "architecture": "amd64",
+                "bootID": "",
+                "containerRuntimeVersion": "kwok://fake",
+                "kernelVersion": "fake",
+                "kubeProxyVersion": "fake",
+                "kubeletVersion": "fake",
+                "machineID": "",
+                "operatingSystem": "linux",
+                "osImage": "kwok",
+                "systemUUID": "",
+            },
+            "phase": "Running",
+        },
+    }
+
+
+def _node_ready(node: Mapping[str, Any]) -> bool:
+    conditions = node.get("status", {}).get("conditions") or []
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+
+
+@dataclass(frozen=True)
+class LocalCluster:
+    """The control plane whose state lives in `out` (kwokctl work dir and kubeconfig)."""
+
+    out: Path
+    bin_dir: Path = BIN_DIR
+    name: str = CLUSTER_NAME
+    nodes: Sequence[str] = field(default=NODE_NAMES)
+    # kwokctl's `--extra-args component=flag=value`.
+    extra_args: Sequence[str] = EXTRA_ARGS
+
+    @property
+    def workdir(self) -> Path:
+        return self.out.resolve() / "kwok"
+
+    @property
+    def kubeconfig(self) -> Path:
+        return self.out.resolve() / "kubeconfig"
+
+    @property
+    def cluster_dir(self) -> Path:
+        return self.workdir / "clusters" / self.name
+
+    @property
+    def audit_log(self) -> Path:
+        """The API server's audit log: every service account's requests (AUDIT_POLICY)."""
+        return self.cluster_dir / "logs" / "audit.log"
+
+    @property
+    def kube_cache(self) -> Path:
+        """kubectl's (and helm's) discovery and HTTP cache, instead of ~/.kube/cache."""
+        return self.out.resolve() / "kube-cache"
+
+    @property
+    def config_path(self) -> Path:
+        return self.out.resolve() / "kwokctl.yaml"
+
+    @property
+    def kubectl_path(self) -> Path:
+        return self.bin_dir / "kubectl"
+
+    def env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env["KWOK_WORKDIR"] = str(self.workdir)
+        env["KWOK_KUBE_VERSION"] = KUBE_VERSION
+        missing = [b for b in BINARY_ENV.values() if not (self.bin_dir / b).is_file()]
+        if missing:
+            raise ClusterError(
+                f"missing binaries in {self.bin_dir}: {', '.join(missing)} (make cluster-binaries)"
+            )
+        for var, binary in BINARY_ENV.items():
+            env[var] = str(self.bin_dir / binary)
+        for var in NO_DOWNLOAD_PREFIX_ENV:
+            env[var] = str(self.workdir / "no-downloads")
+        env["KUBECONFIG"] = str(self.kubeconfig)
+        env["KUBECACHEDIR"] = str(self.kube_cache)
+        return env
+
+    def kwokctl(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.config_path.write_text(KWOKCTL_CONFIG)
+        return subprocess.run(
+            [
+                str(self.bin_dir / "kwokctl"),
+                "--config",
+                str(self.config_path),
+                "--name",
+                self.name,
+                *args,
+            ],
+            env=self.env(),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
+
+    def kubectl(
+        self, *args: str, input: str | None = None, timeout: float = 60
+    ) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [str(self.kubectl_path), "--kubeconfig", str(self.kubeconfig), *args],
+            env={**os.environ, "KUBECACHEDIR": str(self.kube_cache)},
+            input=input,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
+
+    def answering(self) -> bool:
+        """The kubeconfig exists and the API server says it is ready."""
+        if not self.kubeconfig.is_file():
+            return False
+        try:
+            result = self.kubectl("get", "--raw", "/readyz", "--request-timeout=5s", timeout=15)
+        except subprocess.TimeoutExpired:
+            return False
+        return result.returncode == 0 and result.stdout.strip() == "ok"
+
+    def nodes_ready(self) -> bool:
+        result = self.kubectl("get", "nodes", "-o", "json")
+        if result.returncode != 0:
+            return False
+        by_name = {n["metadata"]["name"]: n for n in json.loads(result.stdout)["items"]}
+        return all(name in by_name and _node_ready(by_name[name]) for name in self.nodes)
+
+    def _wait(self, what: str, check: Any, deadline: float, interval: float = 0.5) -> None:
+        while not check():
+            if time.monotonic() > deadline:
+                raise ClusterError(f"timed out waiting for {what}; logs in {self.cluster_dir}/logs")
+            time.sleep(interval)
+
+    def up(self, timeout: float = 300) -> bool:
+        """Start the cluster, or reuse a running one. True when it was started here."""
+        if self.answering() and self.nodes_ready():
+            return False
+        if self.cluster_dir.exists():
+            # A stopped or broken cluster from an earlier run: start clean.
+            self.down()
+        deadline = time.monotonic() + timeout
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.kubeconfig.unlink(missing_ok=True)
+        audit_policy = self.out.resolve() / "audit-policy.yaml"
+        audit_policy.write_text(AUDIT_POLICY)
+        created = self.kwokctl(
+            "create",
+            "cluster",
+            "--runtime",
+            "binary",
+            "--etcd-binary",
+            str(self.bin_dir / "etcd"),
+            "--kube-apiserver-binary",
+            str(self.bin_dir / "kube-apiserver"),
+            "--kube-controller-manager-binary",
+            str(self.bin_dir / "kube-controller-manager"),
+            "--kube-scheduler-binary",
+            str(self.bin_dir / "kube-scheduler"),
+            "--kwok-controller-binary",
+            str(self.bin_dir / "kwok"),
+            *(arg for extra in self.extra_args for arg in ("--extra-args", extra)),
+            "--kube-authorization=true",
+            "--kube-audit-policy",
+            str(audit_policy),
+            "--kube-admission=true",
+            "--quiet-pull",
+            "--kubeconfig",
+            str(self.kubeconfig),
+            "--wait",
+            f"{int(timeout)}s",
+            "--timeout",
+            f"{int(timeout)}s",
+            timeout=timeout + 30,
+        )
+        if created.returncode != 0:
+            raise ClusterError(
+                f"kwokctl create cluster failed ({created.returncode}):\n"
+                f"{created.stdout}\n{created.stderr}"
+            )
+        self._check_no_downloads()
+        self._wait("the API server's /readyz", self.answering, deadline)
+        nodes = [node_manifest(n) for n in self.nodes]
+        manifest = {"apiVersion": "v1", "kind": "List", "items": nodes}
+        applied = self.kubectl("apply", "-f", "-", input=json.dumps(manifest))
+        if applied.returncode != 0:
+            raise ClusterError(f"kubectl apply of the nodes failed:\n{applied.stderr}")
+        self._wait("the kwok nodes to be Ready", self.nodes_ready, deadline)
+        # The service account controller has run: namespaces get their default ServiceAccount.
+        self._wait(
+            "the default ServiceAccount",
+            lambda: (
+                self.kubectl("get", "serviceaccount", "default", "-n", "default").returncode == 0
+            ),
+            deadline,
+        )
+        return True
+
+    def _check_no_downloads(self) -> None:
+        cache = self.workdir / "cache"
+        fetched = [p for p in cache.rglob("*") if p.is_file()] if cache.exists() else []
+        if fetched:
+            raise ClusterError(f"kwokctl downloaded something: {fetched}")
+
+    def pids(self) -> list[int]:
+        """Processes running from this cluster's work dir (kwokctl's daemons), by /proc."""
+        marker = str(self.workdir).encode()
+        found = []
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit() or int(entry.name) == os.getpid():
+                continue
+            try:
+                cmdline = (entry / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if marker in cmdline:
+                found.append(int(entry.name))
+        return sorted(found)
+
+    def down(self, timeout: float = 60) -> None:
+        """Stop every component and delete the cluster; no process of it is left behind."""
+        if (self.bin_dir / "kwokctl").is_file() and self.cluster_dir.exists():
+            self.kwokctl("delete", "cluster", "--kubeconfig", str(self.kubeconfig), timeout=timeout)
+        deadline = time.monotonic() + timeout
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            for pid in self.pids():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, sig)
+            stop = min(deadline, time.monotonic() + 10)
+            while self.pids() and time.monotonic() < stop:
+                time.sleep(0.2)
+            if not self.pids():
+                break
+        left = self.pids()
+        if left:
+            raise ClusterError(f"processes still running after cluster-down: {left}")
+        self.kubeconfig.unlink(missing_ok=True)
+
+    def write_token_kubeconfig(
+        self, service_account: str, namespace: str, path: Path, duration: str = "2h"
+    ) -> Path:
+        """A kubeconfig that authenticates as `namespace/service_account` with a token from the
+        TokenRequest API (`kubectl create token`), against the same server and CA."""
+        token = self.kubectl(
+            "create", "token", service_account, "-n", namespace, f"--duration={duration}"
+        )
+        if token.returncode != 0:
+            raise ClusterError(f"kubectl create token failed: {token.stderr}")
+        view = self.kubectl("config", "view", "--raw", "--minify", "--flatten", "-o", "json")
+        if view.returncode != 0:
+            raise ClusterError(f"kubectl config view failed: {view.stderr}")
+        cluster = json.loads(view.stdout)["clusters"][0]["cluster"]
+        config = {
+            "apiVersion": "v1",
+            "kind": "Config",
+            "clusters": [{"name": self.name, "cluster": cluster}],
+            "users": [
+                {"name": f"{namespace}-{service_account}", "user": {"token": token.stdout.strip()}}
+            ],
+            "contexts": [
+                {
+                    "name": "sa",
+                    "context": {
+                        "cluster": self.name,
+                        "user": f"{namespace}-{service_account}",
+                        "namespace": namespace,
+                    },
+                }
+            ],
+            "current-context": "sa",
+        }
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(config, indent=2))
+        path.chmod(0o600)
+        return path

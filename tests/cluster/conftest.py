@@ -1,0 +1,223 @@
+"""Fixtures for the tests against a real Kubernetes 1.35 control plane (cluster/): the real
+kube-apiserver, etcd, controller manager and scheduler with kwok's fake nodes, driven with the
+real helm and kubectl.
+
+The session starts the cluster with `cluster.LocalCluster` (as `make cluster` does) and stops
+it at the end, or reuses one that already answers (`make cluster` first: the tests then leave it
+running). Each session installs the chart into a namespace of its own, so a reused cluster
+needs no cleaning between runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+# `.venv/bin/pytest` (unlike `python -m pytest`) does not put the repository root on sys.path,
+# where the `cluster` package and `tests.cluster.helpers` live.
+REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from cluster.local import BINARY_ENV, LocalCluster  # noqa: E402
+from tests.cluster.helpers import (  # noqa: E402
+    CHART,
+    EXAMPLE,
+    MONITORING_CRDS,
+    OUT,
+    QUICK_START_SETS,
+    START_TIMEOUT_S,
+    HostOperator,
+    Kube,
+    MakePolicy,
+    Release,
+)
+
+
+@pytest.fixture(scope="session")
+def local_cluster() -> Iterator[LocalCluster]:
+    cluster = LocalCluster(out=OUT)
+    missing = [
+        name
+        for name in [*BINARY_ENV.values(), "kwokctl", "helm"]
+        if not (cluster.bin_dir / name).is_file()
+    ]
+    if missing:
+        pytest.fail(f"no {', '.join(missing)} in {cluster.bin_dir}: run `make cluster-binaries`")
+    started = cluster.up(timeout=START_TIMEOUT_S)
+    try:
+        yield cluster
+    finally:
+        if started:
+            cluster.down()
+
+
+@pytest.fixture(scope="session")
+def kube(local_cluster: LocalCluster) -> Kube:
+    return Kube(local_cluster, local_cluster.kubeconfig)
+
+
+def _remove_finalizers(kube: Kube, namespace: str) -> None:
+    listed = kube.get("servingpolicies", "-n", namespace)
+    for item in (listed or {}).get("items", []):
+        kube.run(
+            "patch",
+            "servingpolicy",
+            item["metadata"]["name"],
+            "-n",
+            namespace,
+            "--type",
+            "merge",
+            "-p",
+            '{"metadata":{"finalizers":null}}',
+            check=False,
+        )
+
+
+@pytest.fixture(scope="session")
+def monitoring_crds(kube: Kube) -> list[str]:
+    """The Prometheus Operator's CRDs (as kube-prometheus-stack installs them), established."""
+    files = sorted(MONITORING_CRDS.glob("*.yaml"))
+    if not files:
+        pytest.fail(f"no Prometheus Operator CRDs in {MONITORING_CRDS}: run `make cluster-crds`")
+    names = []
+    for path in files:
+        kube.run("apply", "--server-side", "-f", str(path))
+        names.append(yaml.safe_load(path.read_text(encoding="utf-8"))["metadata"]["name"])
+    for name in names:
+        kube.run("wait", "--for=condition=Established", f"crd/{name}", "--timeout=60s")
+    return names
+
+
+@pytest.fixture(scope="session")
+def release(kube: Kube, monitoring_crds: list[str]) -> Iterator[Release]:
+    """The chart installed as the README's quick start does, as release `llm-<random>` in a
+    namespace of the same name: the chart's ClusterRole is named after the release, so a reused
+    cluster never holds one from an earlier session under the same name."""
+    namespace = f"llm-{secrets.token_hex(3)}"
+    args = ["install", namespace, str(CHART), "--namespace", namespace, "--create-namespace"]
+    for value in QUICK_START_SETS:
+        args += ["--set", value]
+    installed = kube.helm(*args, "--wait", "--timeout", "5m")
+    if installed.returncode != 0:
+        pytest.fail(f"helm install failed:\n{installed.stdout}\n{installed.stderr}")
+    try:
+        yield Release(namespace, namespace, installed)
+    finally:
+        kube.helm("uninstall", namespace, "--namespace", namespace, "--wait", "--timeout", "2m")
+        # The operator may be gone: release the finalizers so the namespace can go.
+        _remove_finalizers(kube, namespace)
+        kube.run("delete", "namespace", namespace, "--wait=false", check=False)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.fixture(scope="session")
+def host_operator(kube: Kube, release: Release) -> Iterator[HostOperator]:
+    """The operator Deployment's own command and environment, run as a host process that
+    authenticates as the chart's ServiceAccount with a TokenRequest token; its kopf liveness
+    endpoint and the pods' metrics port on free local ports, a 2-second status interval and a
+    1-second scrape timeout."""
+    deployment = kube.get("deployment", f"{release.fullname}-operator", "-n", release.namespace)
+    assert deployment is not None
+    pod_spec = deployment["spec"]["template"]["spec"]
+    container = pod_spec["containers"][0]
+    kubeconfig = kube.cluster.write_token_kubeconfig(
+        pod_spec["serviceAccountName"],
+        release.namespace,
+        OUT / f"operator-{release.namespace}.kubeconfig",
+    )
+    args = [
+        a if not a.startswith("--liveness=") else f"--liveness=http://127.0.0.1:{_free_port()}/h"
+        for a in container["args"]
+    ]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ARC_OPERATOR_")}
+    env.update({e["name"]: e["value"] for e in container.get("env", []) if "value" in e})
+    # The pods' metrics port: a free one instead of vLLM's 8000, so the scrapes of pods on the
+    # loopback node (test_status_metrics.py) reach only the stand-ins the tests serve.
+    metrics_port = _free_port()
+    env.update(
+        KUBECONFIG=str(kubeconfig),
+        ARC_OPERATOR_STATUS_INTERVAL="2",
+        ARC_OPERATOR_SCRAPE_TIMEOUT="1",
+        ARC_OPERATOR_METRICS_PORT=str(metrics_port),
+    )
+    assert container["command"] == ["kopf"]
+    log = OUT / f"operator-{release.namespace}.log"
+    with log.open("wb") as sink:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "kopf", *args],
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=REPO,
+            start_new_session=True,
+        )
+    operator = HostOperator(process, log, kubeconfig, release.namespace, metrics_port)
+    try:
+        yield operator
+    finally:
+        # Delete the ServingPolicies while the operator runs, so it releases its finalizers.
+        kube.run(
+            "delete",
+            "servingpolicies",
+            "--all",
+            "-n",
+            release.namespace,
+            "--timeout=60s",
+            check=False,
+        )
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(timeout=30)
+
+
+@pytest.fixture
+def make_policy(kube: Kube, release: Release, host_operator: HostOperator) -> Iterator[MakePolicy]:
+    """Create a ServingPolicy from the operator's example with `spec` overrides; each is
+    deleted (and its deletion awaited, finalizer and all) at the end of the test."""
+    ns = release.namespace
+    if kube.get("secret", "qwen-arc-api-key", "-n", ns) is None:
+        kube.run(
+            "create",
+            "secret",
+            "generic",
+            "qwen-arc-api-key",
+            "-n",
+            ns,
+            "--from-literal=api-key=not-a-real-key",
+        )
+    created: list[str] = []
+
+    def make(name: str, **spec: Any) -> dict[str, Any]:
+        body = yaml.safe_load(EXAMPLE.read_text(encoding="utf-8"))
+        body["metadata"] = {"name": name, "namespace": ns}
+        body["spec"].update(copy.deepcopy(spec))
+        kube.run("create", "-f", "-", input=json.dumps(body))
+        created.append(name)
+        return body
+
+    yield make
+    for name in created:
+        kube.run("delete", "servingpolicy", name, "-n", ns, "--timeout=60s", check=False)
