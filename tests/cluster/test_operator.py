@@ -5,11 +5,20 @@ owned by it; kwok runs the pods; the status and printer columns fill in."""
 from __future__ import annotations
 
 import json
+import subprocess
 from typing import Any
 
 import pytest
 
-from tests.cluster.helpers import CHART, DEPRECATION, HostOperator, Kube, Release, wait_for
+from tests.cluster.helpers import (
+    CHART,
+    DEPRECATION,
+    REPO,
+    HostOperator,
+    Kube,
+    Release,
+    wait_for,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -233,3 +242,25 @@ def test_operator_requests_all_granted_none_deprecated(
         }
     )
     print("the operator's requests:", used)
+
+
+def test_make_e2e_passes_against_the_cluster(
+    kube: Kube, release: Release, host_operator: HostOperator
+) -> None:
+    """`make e2e` (operator/e2e.sh), as a user runs it on a cluster with the operator installed:
+    the example ServingPolicy in the chart's namespace is reconciled, router included."""
+    env = {
+        **kube.env(),
+        "KUBECTL": str(kube.cluster.kubectl_path),
+        "E2E_NAMESPACE": release.namespace,
+        "E2E_TIMEOUT_S": "120",
+    }
+    try:
+        done = subprocess.run(["make", "--no-print-directory", "e2e"], cwd=REPO, env=env,
+                              capture_output=True, text=True, timeout=300, check=False)  # fmt: skip
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert "e2e: ServingPolicy reconciled" in done.stdout
+        assert "skipped" not in done.stdout
+    finally:
+        kube.run("delete", "servingpolicy", "qwen-arc", "-n", release.namespace,
+                 "--ignore-not-found", "--wait", "--timeout=120s", check=False)  # fmt: skip
