@@ -43,23 +43,31 @@ def test_parent_outside_the_trace_gates_nothing() -> None:
 def test_session_id_is_the_conversations_root_chat_id() -> None:
     requests = [make_request(0, 0, 7), make_request(1, 1, 8), make_request(2, 2, 9, parent_id=7),
                 make_request(3, 3, 10, parent_id=9)]  # fmt: skip
-    assert [p.session_id for p in plan_replay(requests, 1.0)] == ["7", "8", "7", "7"]
+    assert [p.session_id for p in plan_replay(requests, 1.0)] == [
+        "chat:7", "chat:8", "chat:7", "chat:7"
+    ]  # fmt: skip
 
 
 def test_session_id_follows_a_parent_outside_the_trace() -> None:
     # A cut sample: chat 5's parent 99 is missing, yet 5 and its reply 6 stay one session.
     requests = [make_request(0, 0, 5, parent_id=99), make_request(1, 1, 6, parent_id=5)]
-    assert [p.session_id for p in plan_replay(requests, 1.0)] == ["99", "99"]
+    assert [p.session_id for p in plan_replay(requests, 1.0)] == ["chat:99", "chat:99"]
 
 
-def test_mooncake_session_id_is_the_first_hash_id(tmp_path: Path) -> None:
+def test_mooncake_session_id_follows_the_conversations_chain_of_blocks(tmp_path: Path) -> None:
+    # Two conversations open with the same system-prompt block 3; each later turn repeats its
+    # conversation's earlier prompt (full blocks) and adds to it.
     records = [
-        {"timestamp": 0, "input_length": 40, "output_length": 1, "hash_ids": [3, 4]},
-        {"timestamp": 5, "input_length": 20, "output_length": 1, "hash_ids": [3]},
-        {"timestamp": 9, "input_length": 20, "output_length": 1, "hash_ids": [8]},
+        {"timestamp": 0, "input_length": 70, "output_length": 1, "hash_ids": [3, 4, 5]},
+        {"timestamp": 1, "input_length": 70, "output_length": 1, "hash_ids": [3, 6, 7]},
+        {"timestamp": 2, "input_length": 100, "output_length": 1, "hash_ids": [3, 4, 8, 9]},
+        {"timestamp": 3, "input_length": 130, "output_length": 1, "hash_ids": [3, 6, 10, 11, 12]},
+        {"timestamp": 4, "input_length": 140, "output_length": 1, "hash_ids": [3, 4, 8, 9, 13]},
+        {"timestamp": 5, "input_length": 20, "output_length": 1, "hash_ids": [14]},
     ]
     trace = load_trace(write_lines(tmp_path / "m.jsonl", records), block_tokens=32)
-    assert [p.session_id for p in plan_replay(trace, 1.0)] == ["3", "3", "8"]
+    keys = [p.session_id for p in plan_replay(trace, 1.0)]
+    assert keys == ["chain:4", "chain:6", "chain:4", "chain:6", "chain:4", "chain:14"]
 
 
 def test_duplicate_chat_id_names_the_line() -> None:

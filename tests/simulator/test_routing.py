@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from arc_evictor.policies import make_policy
 from arc_serving_common.traces import TraceRequest, load_trace
 from arc_simulator import MOONCAKE_SAMPLE
 from arc_simulator.cli import main
@@ -26,7 +28,7 @@ from arc_simulator.routing import (
     make_router,
     router_names,
 )
-from arc_simulator.simulate import simulate
+from arc_simulator.simulate import CostModel, Replica, simulate
 
 SIMULATE = (sys.executable, "-m", "arc_simulator.cli", "simulate", str(MOONCAKE_SAMPLE))
 
@@ -55,15 +57,24 @@ def _core(result) -> dict:
 
 
 class StubView:
-    """A fleet view with given loads and cached prefixes."""
+    """A fleet view with given loads, published prefixes and requests in prefill."""
 
-    def __init__(self, loads: list[int], cached: list[int] | None = None) -> None:
+    def __init__(
+        self,
+        loads: list[int],
+        cached: list[int] | None = None,
+        prefilling: list[set[int]] | None = None,
+    ) -> None:
         self.now = 0.0
         self.loads = loads
         self._cached = cached or [0] * len(loads)
+        self.in_prefill = prefilling or [set() for _ in loads]
 
     def cached_prefix(self, replica: int, keys: Sequence[int]) -> int:
         return min(self._cached[replica], len(keys))
+
+    def prefilling(self, replica: int) -> set[int]:
+        return self.in_prefill[replica]
 
 
 class NoCacheView(StubView):
@@ -177,8 +188,10 @@ def test_consistent_hash_keeps_a_conversation_on_one_replica() -> None:
         assert len(replicas) == 1
         placed[root] = replicas.pop()
     assert len(set(placed.values())) == 8  # 200 sessions reach every replica
-    # Mooncake form: the first hash id is the key.
-    assert router.route(_request([7, 8]), view) == router.route(_request([7, 9, 10]), view)
+    # Unlinked (Mooncake) form: the key follows each conversation's own chain of blocks.
+    chains = ConsistentHashRouter(8)
+    assert chains.session_key(_request([7, 8])) == chains.session_key(_request([7, 8, 9]))
+    assert chains.session_key(_request([7, 8])) != chains.session_key(_request([7, 10]))
 
 
 def test_cache_aware_follows_its_tree_until_the_fleet_is_imbalanced() -> None:
@@ -211,13 +224,103 @@ def test_cache_aware_cuts_each_replicas_tree_back_to_its_cap() -> None:
     assert 1 in router._owners and 4 not in router._owners
 
 
-def test_kv_aware_takes_the_longest_cached_prefix_else_the_least_load() -> None:
+def test_kv_aware_sends_cold_prompts_to_the_first_registered_replica() -> None:
     router = KvAwareRouter(4)
-    request = _request([1, 2, 3, 4])
-    assert router.route(request, StubView([0, 0, 0, 0], cached=[1, 3, 2, 0])) == 1
-    assert router.route(request, StubView([0, 0, 0, 0], cached=[3, 3, 2, 0])) == 1  # ties: last
-    assert router.route(request, StubView([4, 2, 2, 3], cached=[0, 0, 0, 0])) == 1  # least load
-    assert router.route(_request([]), StubView([1, 1, 0, 0])) == 2
+    view = StubView([0, 0, 0, 0])
+    assert [router.route(_request([n, n + 1], index=n), view) for n in range(5)] == [0] * 5
+    assert router.route(_request([]), view) == 0  # no full block: nothing to credit
+    assert router.route(_request([1, 2]), StubView([1, 0, 0, 0])) == 1  # the first least cost
+
+
+def test_kv_aware_cost_is_new_plus_in_flight_prefill_times_running_plus_one() -> None:
+    router = KvAwareRouter(3)
+    request = _request([1, 2, 3, 4])  # 65 tokens
+    view = StubView([2, 0, 1], cached=[4, 0, 2])
+    # cap 4 blocks: 65 - 64 = 1 new token on replica 0, 65 on 1, 65 - 32 = 33 on 2
+    assert router.costs(request, view) == [(1 * 3, 1), (65 * 1, 65), (33 * 2, 33)]
+    assert router.route(request, view) == 0
+    # Its 1 token is now in flight on replica 0 until the view says its prefill ended.
+    view = StubView([2, 0, 1], prefilling=[{request.index}, set(), set()])
+    assert router.costs(_request([9], index=1), view)[0] == ((17 + 1) * 3, 17)
+    view.in_prefill[0] = set()
+    assert router.costs(_request([9], index=1), view)[0] == (17 * 3, 17)
+
+
+def test_kv_aware_in_flight_prefill_sends_the_next_cold_prompt_elsewhere() -> None:
+    router = KvAwareRouter(2)
+    view = StubView([0, 0])
+    assert router.route(_request([1, 2], index=0), view) == 0
+    view.in_prefill[0] = {0}  # prefilling, though not counted as running
+    assert router.route(_request([3, 4], index=1), view) == 1
+    view.in_prefill = [set(), set()]
+    assert router.route(_request([5, 6], index=2), view) == 0
+
+
+@pytest.mark.parametrize("held, winner", [(3, 0), (4, 0), (5, 1), (7, 1)])
+def test_a_busy_holder_beats_an_idle_replica_only_beyond_half_the_prompt(held, winner) -> None:
+    # 128 tokens, 8 full blocks of 16: the holder (replica 1, one request running) costs
+    # (128 - 16 * held) * 2 against the idle replica's 128, so it wins only when it holds
+    # more than 64 tokens; at exactly half the tie goes to the first registered replica.
+    request = _request(list(range(1, 9)), input_length=128)
+    view = StubView([0, 1], cached=[0, held])
+    assert KvAwareRouter(2).route(request, view) == winner
+
+
+def test_kv_aware_credit_leaves_the_last_prompt_token_to_compute() -> None:
+    router = KvAwareRouter(2)
+    whole = _request([1, 2, 3], input_length=48)  # three full blocks, all cached on 1
+    assert router.costs(whole, StubView([0, 0], cached=[0, 3])) == [(48, 48), (16, 16)]
+    one_block = _request([1], input_length=16)  # cap 0: nothing can be credited
+    assert router.costs(one_block, StubView([0, 0], cached=[0, 1])) == [(16, 16), (16, 16)]
+    assert router.route(one_block, StubView([0, 0], cached=[0, 1])) == 0
+
+
+def test_kv_aware_temperature_draws_are_seeded_and_weighted() -> None:
+    view = StubView([0, 0, 0])
+
+    def draws(seed: int, temperature: float, count: int = 60) -> list[int]:
+        router = KvAwareRouter(3, seed=seed, temperature=temperature)
+        return [router.route(_request([n + 100], index=n), view) for n in range(count)]
+
+    assert draws(5, 2.0) == draws(5, 2.0)  # equal costs: a seeded uniform draw
+    assert draws(5, 2.0) != draws(6, 2.0)
+    assert set(draws(5, 2.0)) == {0, 1, 2}
+    # Costs 17, 34 and 51 at temperature 17: weights 1, e^-1 and e^-2.
+    weighted = KvAwareRouter(3, seed=1, temperature=17.0)
+    loaded = StubView([0, 1, 2])
+    picks = [weighted.route(_request([n + 100], index=n), loaded) for n in range(3000)]
+    shares = [picks.count(replica) / len(picks) for replica in range(3)]
+    weights = [1.0, math.exp(-1), math.exp(-2)]
+    assert shares == pytest.approx([w / sum(weights) for w in weights], abs=0.03)
+    # Far below the cost differences, the draw is the least cost.
+    assert {KvAwareRouter(3, seed=3, temperature=0.01).route(_request([1]), loaded)} == {0}
+
+
+@pytest.mark.parametrize("temperature", [-1.0, math.inf, math.nan])
+def test_a_bad_router_temperature_is_refused_naming_the_option(temperature) -> None:
+    with pytest.raises(RoutingError, match="--router-temperature must be a finite number >= 0"):
+        make_router("kv_aware", 2, temperature=temperature)
+    with pytest.raises(RoutingError, match="--router-temperature"):
+        KvAwareRouter(2, temperature=temperature)
+
+
+def test_kv_aware_credits_blocks_from_the_end_of_the_prefill_that_computed_them() -> None:
+    cost = CostModel()
+    replica = Replica.of(make_policy("lru", 100), "overlapping", cost, routed=True)
+    first = _request([1, 2, 3], index=0, input_length=49, timestamp_s=1.0)
+    replica.enqueue(0, first)
+    assert replica.prefilling(1.0) == {0}  # queued: its prefill has not ended
+    replica.advance(1.0)
+    end = 1.0 + cost.step_seconds + 49 * cost.prefill_seconds_per_token
+    assert replica.published_prefix(first.keys, 1.0) == 0  # computed, not yet published
+    assert replica.prefilling(1.0) == {0}
+    assert replica.published_prefix(first.keys, end) == 3
+    assert replica.prefilling(end) == set()
+    # A later request's new blocks wait for its own prefill; the shared prefix does not.
+    second = _request([1, 2, 4], index=1, input_length=49, timestamp_s=2.0)
+    replica.enqueue(1, second)
+    replica.advance(2.0)
+    assert replica.published_prefix(second.keys, 2.0) == 2
 
 
 def test_fleet_result_reports_shares_and_imbalance(mooncake) -> None:
@@ -249,6 +352,11 @@ def test_a_fleet_with_more_cache_hits_more(mooncake) -> None:
         (["--replicas", "2"], "--replicas needs --router"),
         (["--replicas", "2", "--router", "kv_aware,"], "an empty name"),
         (["--replicas", "2", "--router", "kv_aware", "--policy", "belady"], "belady"),
+        (
+            ["--replicas", "2", "--router", "kv_aware", "--router-temperature", "-0.5"],
+            "--router-temperature must be a finite number >= 0, got -0.5",
+        ),
+        (["--router-temperature", "1"], "--router-temperature needs --router"),
     ],
 )
 def test_bad_fleet_input_exits_2_naming_the_problem(args, problem, tmp_path) -> None:
@@ -287,6 +395,19 @@ def test_simulate_prints_fleet_json_rows(tmp_path) -> None:
     for row in rows:
         assert row["replicas"] == 2 and len(row["request_shares"]) == 2
         assert row["request_imbalance"] >= 1.0
+
+
+def test_router_temperature_reaches_kv_aware_from_the_command_line(capsys) -> None:
+    def run(*extra: str) -> dict:
+        args = ["simulate", str(MOONCAKE_SAMPLE), "--policy", "lru", "--capacity", "5%"]
+        assert main([*args, "--replicas", "2", "--router", "kv_aware", "--json", *extra]) == 0
+        (row,) = json.loads(capsys.readouterr().out)
+        row.pop("seconds")
+        return row
+
+    drawn = run("--router-temperature", "5000", "--seed", "3")
+    assert drawn == run("--router-temperature", "5000", "--seed", "3")  # seeded
+    assert drawn != run()  # temperature 0 decides otherwise
 
 
 def test_make_router_rejects_what_it_cannot_build() -> None:

@@ -54,6 +54,7 @@ def test_fixed_total_cache_is_split_over_replicas() -> None:
         (["--policy", "belady"], "belady"),
         (["--policy", "fifo"], "unknown eviction policy 'fifo'"),
         (["--capacity", "0"], "capacity must be a percent"),
+        (["--router-temperature", "-1"], "--router-temperature must be a finite number >= 0"),
     ],
 )
 def test_bad_study_input_exits_2_before_any_work(args, problem, tmp_path: Path) -> None:

@@ -11,11 +11,10 @@ round robin to ``parts`` workers, so every request is sent exactly once and a se
 spans two workers (its ordering needs no messages between workers).
 
 Every request carries a session id, sent as ``X-Session-ID`` so a session-keyed router
-(the vLLM router's ``consistent_hash``) keeps what can share a prefix on one replica: in
-Qwen-Bailian traces the conversation's root chat id (following ``parent_chat_id``, also past
-a parent the trace does not hold), in Mooncake traces, which carry no session, the first hash
-id (the prompt's first block, its system prompt or document opening). The simulator's
-``consistent_hash`` router keys requests the same way (docs/routing.md).
+(the vLLM router's ``consistent_hash``) keeps a conversation on one replica:
+``arc_serving_common.sessions`` names it (the root chat id where the trace links turns, else
+the conversation its chain of blocks continues), and the simulator's ``consistent_hash``
+router hashes the same key (docs/routing.md).
 
 Two delays are reported per request: ``held_s``, how long a session turn waited for its
 parent beyond its due time (the server's doing), and ``lag_s``, how late the dispatcher sent
@@ -32,6 +31,7 @@ import gevent
 import gevent.event
 import gevent.pool
 
+from arc_serving_common.sessions import SessionKeys
 from arc_serving_common.traces import TraceError, TraceRequest
 
 
@@ -43,7 +43,7 @@ class PlannedRequest:
     due_s: float  # seconds after the replay's start
     parent: int | None  # index of the earlier turn that must finish first
     session: int  # index of the session's first request
-    session_id: str  # the X-Session-ID header: root chat id (Bailian), first hash id (Mooncake)
+    session_id: str  # the X-Session-ID header: arc_serving_common.sessions.SessionKeys
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,7 +79,7 @@ def plan_replay(
     by_chat: dict[int, TraceRequest] = {}
     later_chats = {r.chat_id for r in requests if r.chat_id is not None}
     sessions: dict[int, int] = {}  # request index -> session root index
-    roots: dict[int, int] = {}  # chat id -> its conversation's root chat id
+    session_keys = SessionKeys()
     plan = []
     for request in requests:
         parent: int | None = None
@@ -107,20 +107,10 @@ def plan_replay(
                 due_s=(request.timestamp_s - start) * time_scale,
                 parent=parent,
                 session=sessions[request.index],
-                session_id=_session_id(request, roots),
+                session_id=session_keys.key(request),
             )
         )
     return plan
-
-
-def _session_id(request: TraceRequest, roots: dict[int, int]) -> str:
-    """Root chat id (Bailian; records this request's root in ``roots``), else first hash id."""
-    if request.chat_id is not None:
-        parent = request.parent_id
-        root = request.chat_id if parent is None else roots.get(parent, parent)
-        roots[request.chat_id] = root
-        return str(root)
-    return str(request.hash_ids[0])  # never empty: input_length >= 1
 
 
 def partition(plan: Sequence[PlannedRequest], part: int, parts: int) -> list[PlannedRequest]:

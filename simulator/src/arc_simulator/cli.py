@@ -2,7 +2,8 @@
 generate workloads, evaluate the policies and study scaling.
 
     arc-evictor simulate TRACE --policy lru,dbl,arc --capacity 1000,10% [--sequential]
-                         [--replicas N --router kv_aware,...] [--format auto] [--json]
+                         [--replicas N --router kv_aware,... [--router-temperature T]]
+                         [--format auto] [--json]
                          [--plot FILE.png]
     arc-evictor scale [--out out/scale] [--replicas 1,2,4,8,16,32] [--router ...] [--trace ...]
     arc-evictor generate docqa|conversation --out FILE [--form bailian] [--seed 0] ...
@@ -49,14 +50,14 @@ def parse_policies(text: str) -> list[str]:
     return names
 
 
-def parse_routers(text: str, replicas: int) -> list[str]:
+def parse_routers(text: str, replicas: int, seed: int = 0, temperature: float = 0.0) -> list[str]:
     names = [name.strip().lower() for name in text.split(",")]
     if not all(names):
         raise UsageError(
             f"--router {text!r}: an empty name; valid routers: {', '.join(router_names())}"
         )
     for name in names:
-        make_router(name, replicas)
+        make_router(name, replicas, seed, temperature)
     return list(dict.fromkeys(names))
 
 
@@ -99,12 +100,15 @@ def _simulate(args: argparse.Namespace) -> int:
     routers: list[str] = []
     if args.router is not None and args.replicas is None:
         raise UsageError("--router needs --replicas N (how many replicas to route over)")
+    if args.router_temperature is not None and args.router is None:
+        raise UsageError("--router-temperature needs --router kv_aware and --replicas N")
+    temperature = 0.0 if args.router_temperature is None else args.router_temperature
     if args.replicas is not None:
         if args.router is None:
             raise UsageError(
                 f"--replicas needs --router, one or more of: {', '.join(router_names())}"
             )
-        routers = parse_routers(args.router, args.replicas)
+        routers = parse_routers(args.router, args.replicas, args.seed, temperature)
         for name in policies:
             check_fleet(name, args.replicas)
     if args.plot and not writable_folder(args.plot):
@@ -122,6 +126,7 @@ def _simulate(args: argparse.Namespace) -> int:
             sequential=args.sequential,
             cost=cost,
             seed=args.seed,
+            temperature=temperature,
         )
     else:
         results = sweep(requests, policies, capacities, sequential=args.sequential, cost=cost)
@@ -239,7 +244,15 @@ def build_parser() -> argparse.ArgumentParser:
     fleet.add_argument(
         "--router", help=f"comma-separated routers, from: {', '.join(router_names())}"
     )
-    fleet.add_argument("--seed", type=int, default=0, help="seed of the random router")
+    fleet.add_argument(
+        "--seed", type=int, default=0, help="seed of random and of kv_aware's temperature draws"
+    )
+    fleet.add_argument(
+        "--router-temperature",
+        type=float,
+        help="kv_aware: 0 (the default) takes the least cost, above 0 draws with weights "
+        "exp(-(cost - least) / T), as vllm-router's flag",
+    )
     cost = simulate.add_argument_group("cost model (overlapping mode; see CostModel)")
     cost.add_argument("--prefill-tokens-per-second", type=float, default=20_000.0)
     cost.add_argument("--decode-seconds-per-token", type=float, default=0.02)

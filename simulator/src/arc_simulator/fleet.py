@@ -55,7 +55,10 @@ class _View:
         return [replica.load for replica in self._replicas]
 
     def cached_prefix(self, replica: int, keys: Sequence[int]) -> int:
-        return self._replicas[replica].cached_prefix(keys)
+        return self._replicas[replica].published_prefix(keys, self.now)
+
+    def prefilling(self, replica: int) -> set[int]:
+        return self._replicas[replica].prefilling(self.now)
 
 
 def _merge(replicas: Sequence[Replica], router_name: str, started: float) -> SimulationResult:
@@ -110,18 +113,21 @@ def simulate_fleet(
     sequential: bool = True,
     cost: CostModel | None = None,
     seed: int = 0,
+    temperature: float = 0.0,
 ) -> tuple[SimulationResult, list[int]]:
     """Route ``requests`` over ``replicas`` replicas of ``capacity`` blocks each.
 
     Returns the fleet's result (counts summed over replicas, load shares per
     replica) and the replica each request was sent to, in request order.
+    ``temperature`` is the router's ``--router-temperature`` (``kv_aware`` only).
     """
     check_fleet(policy_name, replicas)
-    router = make_router(router_name, replicas, seed)
+    router = make_router(router_name, replicas, seed, temperature)
     cost = cost or CostModel()
     mode = "sequential" if sequential else "overlapping"
+    # One replica is never scored, so it keeps nothing for a router.
     fleet = [
-        Replica.of(build_policy(policy_name, capacity, requests), mode, cost)
+        Replica.of(build_policy(policy_name, capacity, requests), mode, cost, routed=replicas > 1)
         for _ in range(replicas)
     ]
     view = _View(fleet)
@@ -149,13 +155,14 @@ def fleet_sweep(
     sequential: bool = True,
     cost: CostModel | None = None,
     seed: int = 0,
+    temperature: float = 0.0,
 ) -> list[SimulationResult]:
     """Every router, policy and per-replica capacity; inputs are checked up front."""
     for name in policies:
         build_policy(name, 1, [])
         check_fleet(name, replicas)
     for name in routers:
-        make_router(name, replicas, seed)
+        make_router(name, replicas, seed, temperature)
     for capacity in capacities:
         if capacity < 1:
             raise ValueError(f"capacity must be at least 1 block, got {capacity}")
@@ -169,6 +176,7 @@ def fleet_sweep(
             sequential=sequential,
             cost=cost,
             seed=seed,
+            temperature=temperature,
         )[0]
         for capacity in capacities
         for router in routers

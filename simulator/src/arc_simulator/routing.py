@@ -4,7 +4,8 @@ Each router picks the replica for one request from what a router in front of the
 fleet can know at that moment, handed to it as a ``FleetView``: the simulated
 clock, each replica's load (requests routed to it and not yet finished, the
 router's ``Worker::load``) and, for ``kv_aware`` only, each replica's cached
-prefix as vLLM's KV-cache events report it. Routers never see later requests.
+prefix as vLLM's KV-cache events have reported it and which requests routed to
+it are still in prefill. Routers never see later requests.
 
 The rules follow the vLLM router's policies (repository vllm-project/router,
 ``src/policies/*.rs``; defaults from its ``vllm-router`` command line, ``src/main.rs``):
@@ -16,12 +17,11 @@ The rules follow the vLLM router's policies (repository vllm-project/router,
   after its session key's hash, wrapping around. The router hashes with FurcHash
   and MurmurHash64A; this model hashes with BLAKE2b (64 bits), so the rule is the
   same but individual assignments differ. The session key stands in for the
-  router's ``X-Session-ID`` header: in Qwen-Bailian traces the conversation's root
-  chat id (following ``parent_chat_id``); in Mooncake traces, which carry no
-  session, the first hash id, the hash of the prompt's first 512 tokens. Requests
-  that share it share a system prompt or document opening, which is the prefix a
-  replica can reuse, so the key keeps reusable prefixes together the way a
-  session id keeps a conversation together.
+  router's ``X-Session-ID`` header and is the one the load test sends
+  (``arc_serving_common.sessions``): the conversation's root chat id where the
+  trace links turns (``parent_chat_id``), else the conversation found by its own
+  chain of blocks, so two conversations that only share an opening (a system
+  prompt) are two sessions.
 - ``cache_aware`` (``cache_aware.rs``, the approximate policy): the fleet is
   imbalanced when ``max_load - min_load > balance_abs_threshold`` and
   ``max_load > min_load * balance_rel_threshold``; then the request goes to the
@@ -36,27 +36,41 @@ The rules follow the vLLM router's policies (repository vllm-project/router,
   the router's 2**26-character cap read as 2**24 tokens (about four characters
   a token). At a node several replicas share, the router takes whichever its map
   yields first; this model takes the one that reached it last.
-- ``kv_aware`` (``kv_aware.rs``): the router's block index, fed by each
-  replica's ``BlockStored``/``BlockRemoved`` events, gives every replica's
-  longest cached prefix of the request; the request goes to the replica with the
-  longest one, or, when no replica holds even its first block (or it has no full
-  block), to the least-loaded replica. Like the router's speculative entries, the
-  blocks of requests routed to a replica but not yet admitted there count as
-  cached on it. Load enters only through that fallback, as in the router.
+- ``kv_aware`` (vllm-router 0.1.17, read from its binary; the published
+  sources stop at 0.1.15): for each replica i, in registry order, c_i is the
+  longest run of the request's leading blocks that the router's KV-event index
+  credits to i, capped so that at least one prompt token is still computed; the
+  request's new prefill tokens there are ``new_i = prompt - c_i * block``, and
+  its cost is ``(new_i + Q_i) * (R_i + 1)``, with Q_i the prefill tokens the
+  router has in flight on i (its own ``new`` of each request routed there whose
+  prefill has not completed) and R_i the replica's load (the router takes the
+  larger of its own count and the worker's report; the model's load, requests
+  routed and not finished, is never below the report). With temperature 0 (the
+  router's default ``--router-temperature``) the first replica of least cost
+  wins; above 0 the replica is drawn with probability proportional to
+  ``exp(-(cost_i - min_cost) / temperature)`` from a ``random.Random`` seeded
+  with ``seed``. The index holds only what ``BlockStored``/``BlockRemoved``
+  events reported, no speculative entries: vLLM publishes a block after the
+  engine step that computed it, which this model places at the end of the
+  prefill that computed it (``Replica.published_prefix``); a removal counts at
+  once. Offloaded tiers, which the router discounts, do not arise: the plugin
+  publishes GPU blocks only.
 
-Ties go where the router's Rust iterators send them: ``min_by_key`` (least load)
-takes the lowest replica index, ``max_by_key`` (longest prefix) the highest.
+Ties go where the router's Rust iterators send them: ``min_by_key`` (least load,
+least cost) takes the lowest replica index.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 import random
 from bisect import bisect_left
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from arc_serving_common.sessions import SessionKeys
 from arc_serving_common.traces import TraceRequest
 
 MAX_REPLICAS = 1024  # far above any study here; a typo like 100000 is an error, not hours
@@ -80,7 +94,12 @@ class FleetView(Protocol):
         ...
 
     def cached_prefix(self, replica: int, keys: Sequence[int]) -> int:
-        """Blocks of ``keys``' prefix the replica's KV events report as cached."""
+        """Blocks of ``keys``' prefix the replica's KV events have reported as cached by now."""
+        ...
+
+    def prefilling(self, replica: int) -> Collection[int]:
+        """Trace indexes of the requests routed to the replica whose prefill has not
+        completed by now (queued ones included)."""
         ...
 
 
@@ -133,7 +152,7 @@ class ConsistentHashRouter:
     """A hash ring over session keys.
 
     Invariant: ``_points`` is sorted and ``_owners[i]`` owns ``_points[i]``.
-    ``_roots`` maps every chat id seen to its conversation's root chat id.
+    ``_sessions`` has seen every request routed so far, in order.
     """
 
     name = "consistent_hash"
@@ -147,16 +166,11 @@ class ConsistentHashRouter:
         )
         self._points = [point for point, _ in ring]
         self._owners = [owner for _, owner in ring]
-        self._roots: dict[int, int] = {}
+        self._sessions = SessionKeys()
 
     def session_key(self, request: TraceRequest) -> str:
-        """Root chat id (Qwen-Bailian), else the first hash id (Mooncake)."""
-        if request.chat_id is not None:
-            parent = request.parent_id
-            root = request.chat_id if parent is None else self._roots.get(parent, parent)
-            self._roots[request.chat_id] = root
-            return f"chat:{root}"
-        return f"prefix:{request.hash_ids[0]}"
+        """The request's conversation, as the load test's ``X-Session-ID`` names it."""
+        return self._sessions.key(request)
 
     def route(self, request: TraceRequest, view: FleetView) -> int:
         position = bisect_left(self._points, _hash64(self.session_key(request)))
@@ -251,25 +265,60 @@ class CacheAwareRouter:
 
 
 class KvAwareRouter:
-    """Longest cached prefix from the replicas' KV events, least load when none."""
+    """vllm-router 0.1.17's prefix cost: new prefill tokens plus those in flight, times
+    the requests running plus one.
+
+    Invariant: ``_in_flight[r]`` maps the trace index of each request routed to
+    replica ``r`` whose prefill had not completed at the last decision to the
+    prefill tokens this router counted for it (its ``new`` there).
+    """
 
     name = "kv_aware"
 
-    def __init__(self, replicas: int, seed: int = 0) -> None:
+    def __init__(self, replicas: int, seed: int = 0, temperature: float = 0.0) -> None:
+        check_temperature(temperature)
         self._replicas = replicas
+        self.temperature = temperature
+        self._rng = random.Random(seed)
+        self._in_flight: list[dict[int, int]] = [{} for _ in range(replicas)]
+
+    def costs(self, request: TraceRequest, view: FleetView) -> list[tuple[int, int]]:
+        """Each replica's (cost, new prefill tokens) for ``request``, in registry order;
+        settles the prefills that completed since the last decision."""
+        keys = request.keys
+        block = request.block_tokens
+        cap = (request.input_length - 1) // block  # the last prompt token is always computed
+        loads = view.loads
+        scored = []
+        for replica in range(self._replicas):
+            credited = min(view.cached_prefix(replica, keys), cap) if keys and cap else 0
+            new = request.input_length - credited * block
+            in_flight = self._in_flight[replica]
+            if in_flight:
+                prefilling = view.prefilling(replica)
+                for index in [index for index in in_flight if index not in prefilling]:
+                    del in_flight[index]
+            in_flight_tokens = sum(in_flight.values())
+            scored.append(((new + in_flight_tokens) * (loads[replica] + 1), new))
+        return scored
 
     def route(self, request: TraceRequest, view: FleetView) -> int:
-        keys = request.keys
         if self._replicas == 1:
             return 0  # the router skips scoring for a single worker
-        if not keys:
-            return _least_loaded(view.loads)
-        best, best_score = 0, -1
-        for replica in range(self._replicas):
-            score = view.cached_prefix(replica, keys)
-            if score >= best_score:  # >=: max_by_key keeps the last of equal scores
-                best, best_score = replica, score
-        return best if best_score > 0 else _least_loaded(view.loads)
+        scored = self.costs(request, view)
+        least = min(cost for cost, _ in scored)
+        if self.temperature == 0:
+            chosen = next(r for r, (cost, _) in enumerate(scored) if cost == least)
+        else:
+            weights = [math.exp(-(cost - least) / self.temperature) for cost, _ in scored]
+            chosen = self._rng.choices(range(self._replicas), weights)[0]
+        self._in_flight[chosen][request.index] = scored[chosen][1]
+        return chosen
+
+
+def check_temperature(temperature: float) -> None:
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise RoutingError(f"--router-temperature must be a finite number >= 0, got {temperature}")
 
 
 RouterFactory = Callable[[int, int], Router]
@@ -291,10 +340,17 @@ def check_replicas(replicas: int) -> None:
         raise RoutingError(f"replicas must be between 1 and {MAX_REPLICAS}, got {replicas}")
 
 
-def make_router(name: str, replicas: int, seed: int = 0) -> Router:
-    """A fresh router by registry name for ``replicas`` replicas."""
+def make_router(name: str, replicas: int, seed: int = 0, temperature: float = 0.0) -> Router:
+    """A fresh router by registry name for ``replicas`` replicas.
+
+    ``temperature`` is vllm-router's ``--router-temperature``, which only ``kv_aware``
+    reads; it is checked for every router, so a bad value is refused whatever the name.
+    """
     check_replicas(replicas)
+    check_temperature(temperature)
     factory = ROUTERS.get(name.strip().lower())
     if factory is None:
         raise RoutingError(f"unknown router {name!r}; valid routers: {', '.join(ROUTERS)}")
+    if factory is KvAwareRouter:
+        return KvAwareRouter(replicas, seed, temperature)
     return factory(replicas, seed)

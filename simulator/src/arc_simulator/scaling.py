@@ -24,6 +24,7 @@ imbalance against replicas, one line per router).
     arc-evictor scale [--out out/scale] [--replicas 1,2,4,8,16,32]
                       [--cache per-replica,total] [--router ...] [--policy lru,arc,trio]
                       [--trace mooncake,docqa,conversation] [--capacity 10] [--sequential]
+                      [--seed 0] [--router-temperature 0]
     python -m arc_simulator.scaling ...   (the same)
 
 The defaults take about two and a half minutes of one core's time.
@@ -83,6 +84,7 @@ class ScaleConfig:
     capacity_percent: float = 10.0
     sequential: bool = False
     seed: int = 0
+    temperature: float = 0.0  # the router's --router-temperature (kv_aware only)
 
     def __post_init__(self) -> None:
         for label, values in (
@@ -97,7 +99,7 @@ class ScaleConfig:
         for count in self.replicas:
             check_replicas(count)
         for name in self.routers:
-            make_router(name, 1)
+            make_router(name, 1, self.seed, self.temperature)
         for name in self.policies:
             build_policy(name, 1, [])
             check_fleet(name, max(self.replicas))
@@ -154,6 +156,7 @@ def run_study(
                             router,
                             sequential=config.sequential,
                             seed=config.seed,
+                            temperature=config.temperature,
                         )
                         row = result.as_dict()
                         row.update(trace=trace, cache=cache_size, policy=policy)
@@ -323,7 +326,16 @@ def add_scale_arguments(parser: argparse.ArgumentParser) -> None:
         help="cache size, percent of the trace's distinct blocks (default: %(default)s)",
     )
     parser.add_argument("--sequential", action="store_true", help="sequential mode")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the random router")
+    parser.add_argument(
+        "--seed", type=int, default=0, help="seed of random and of kv_aware's temperature draws"
+    )
+    parser.add_argument(
+        "--router-temperature",
+        type=float,
+        default=defaults.temperature,
+        help="kv_aware: 0 takes the least cost, above 0 draws with weights "
+        "exp(-(cost - least) / T), as vllm-router's flag (default: %(default)s)",
+    )
 
 
 def _names(text: str) -> tuple[str, ...]:
@@ -347,6 +359,7 @@ def config_from_args(args: argparse.Namespace) -> ScaleConfig:
         capacity_percent=args.capacity,
         sequential=args.sequential,
         seed=args.seed,
+        temperature=args.router_temperature,
     )
 
 

@@ -200,14 +200,20 @@ class Replica:
     several behind a router.
 
     Invariants (overlapping mode): ``queue`` holds (position in the trace, request) of the
-    requests routed here and not yet admitted or rejected, in arrival order; ``pending`` maps
-    each key of the queued requests to how many of them hold it; ``running`` is a heap of
-    (finish time, position, request) of the admitted requests whose blocks are still pinned,
-    and ``running_tokens`` sums their prompt and output tokens; ``load`` counts the queued and
-    running requests; ``now`` never exceeds the limit of the last ``advance``;
+    requests routed here and not yet admitted or rejected, in arrival order; ``running`` is a
+    heap of (finish time, position, request) of the admitted requests whose blocks are still
+    pinned, and ``running_tokens`` sums their prompt and output tokens; ``load`` counts the
+    queued and running requests; ``now`` never exceeds the limit of the last ``advance``;
     ``blocked_until`` is, while the queue's head waits for room, the finish time of the first
     running request (only a completion can make room), and -inf otherwise. In sequential mode
     the queue and the batch stay empty and the caller keeps ``load``.
+
+    What a router in front learns (both modes, kept only when ``routed``): ``published_at``
+    maps each key this replica computed to when its ``BlockStored`` event reached the router,
+    the end of the prefill that computed it (vLLM publishes a block after the engine step
+    that computed it; the model's steps are whole prefills); ``prefill_ends`` maps the trace
+    index of each request routed here to the end of its prefill, infinity while it is queued,
+    until a router has seen it end.
     """
 
     pool: BlockPool
@@ -215,7 +221,6 @@ class Replica:
     cost: CostModel
     verify: bool = False  # check every pool invariant after each admission
     queue: deque[tuple[int, TraceRequest]] = field(default_factory=deque)
-    pending: dict[int, int] = field(default_factory=dict)
     running: list[tuple[float, int, TraceRequest]] = field(default_factory=list)
     running_tokens: int = 0
     prefill_free_at: float = 0.0
@@ -224,22 +229,50 @@ class Replica:
     load: int = 0
     prefill_tokens: int = 0  # uncached prompt tokens served, the compute spent
     ttfts: list[float] = field(default_factory=list)
+    routed: bool = False
+    published_at: dict[int, float] = field(default_factory=dict)
+    prefill_ends: dict[int, float] = field(default_factory=dict)
 
     @classmethod
     def of(
-        cls, policy: EvictionPolicy, mode: str, cost: CostModel, verify: bool = False
+        cls,
+        policy: EvictionPolicy,
+        mode: str,
+        cost: CostModel,
+        verify: bool = False,
+        *,
+        routed: bool = False,
     ) -> Replica:
-        """An empty replica whose pool runs ``policy``."""
+        """An empty replica whose pool runs ``policy``; ``routed`` keeps what a router learns."""
         result = SimulationResult(policy.describe(), policy.capacity, mode)
-        return cls(BlockPool(policy), result, cost, verify)
+        return cls(BlockPool(policy), result, cost, verify, routed=routed)
 
-    def cached_prefix(self, keys: Sequence[int]) -> int:
-        """Blocks of ``keys``' prefix cached here or held by a queued request."""
-        pool, pending = self.pool, self.pending
+    def published_prefix(self, keys: Sequence[int], now: float) -> int:
+        """Blocks of ``keys``' prefix cached here whose ``BlockStored`` reached the router
+        by ``now`` (a ``BlockRemoved`` reaches it at once)."""
+        cached, published_at = self.pool.is_cached, self.published_at
         for position, key in enumerate(keys):
-            if not (pool.is_cached(key) or key in pending):
+            if not cached(key) or published_at[key] > now:
                 return position
         return len(keys)
+
+    def prefilling(self, now: float) -> set[int]:
+        """Trace indexes of the requests routed here whose prefill has not ended by ``now``."""
+        ends = self.prefill_ends
+        for index in [index for index, end in ends.items() if end <= now]:
+            del ends[index]
+        return set(ends)
+
+    def _computing(self, request: TraceRequest) -> list[int]:
+        """The keys ``request`` will compute here: those not cached before it takes them."""
+        cached = self.pool.is_cached
+        return [key for key in request.keys if not cached(key)]
+
+    def _publish(self, request: TraceRequest, computed: list[int], prefill_end: float) -> None:
+        published_at = self.published_at
+        for key in computed:
+            published_at[key] = prefill_end
+        self.prefill_ends[request.index] = prefill_end
 
     def serve_alone(self, request: TraceRequest) -> float:
         """Sequential mode: serve ``request`` now, alone; returns when it would finish
@@ -249,6 +282,7 @@ class Replica:
         if len(keys) > pool.capacity:
             count_rejected(self.result, request, pool.policy)
             return request.timestamp_s
+        computed = self._computing(request) if self.routed else []
         hits = pool.take(keys, request.max_hit_blocks)
         pool.give_back(keys)
         count_served(self.result, request, hits)
@@ -256,19 +290,18 @@ class Replica:
             pool.verify()
         uncached = request.input_length - hits * request.block_tokens
         self.prefill_tokens += uncached
-        return (
-            request.timestamp_s
-            + cost.step_seconds
-            + uncached * cost.prefill_seconds_per_token
-            + request.output_length * cost.decode_seconds_per_token
+        prefill_end = (
+            request.timestamp_s + cost.step_seconds + uncached * cost.prefill_seconds_per_token
         )
+        if self.routed:
+            self._publish(request, computed, prefill_end)
+        return prefill_end + request.output_length * cost.decode_seconds_per_token
 
     def enqueue(self, position: int, request: TraceRequest) -> None:
         """Overlapping mode: ``request`` (at ``position`` in the trace) joins the queue."""
         self.queue.append((position, request))
-        pending = self.pending
-        for key in request.keys:
-            pending[key] = pending.get(key, 0) + 1
+        if self.routed:
+            self.prefill_ends[request.index] = math.inf
         self.load += 1
 
     def advance(self, limit: float) -> None:
@@ -286,6 +319,7 @@ class Replica:
             if len(request.keys) > pool.capacity:
                 self._unqueue()
                 count_rejected(self.result, request, pool.policy)
+                self.prefill_ends.pop(request.index, None)  # refused: no prefill to wait for
                 self.load -= 1
                 continue
             now = max(self.now, request.timestamp_s)
@@ -303,15 +337,8 @@ class Replica:
             self._release(heapq.heappop(running)[2])
 
     def _unqueue(self) -> None:
-        _position, request = self.queue.popleft()
+        self.queue.popleft()
         self.blocked_until = -math.inf
-        pending = self.pending
-        for key in request.keys:
-            count = pending[key] - 1
-            if count:
-                pending[key] = count
-            else:
-                del pending[key]
 
     def _admissible(self, request: TraceRequest) -> bool:
         pool = self.pool
@@ -327,6 +354,7 @@ class Replica:
 
     def _admit(self, position: int, request: TraceRequest) -> None:
         cost = self.cost
+        computed = self._computing(request) if self.routed else []
         hits = self.pool.take(request.keys, request.max_hit_blocks)
         count_served(self.result, request, hits)
         uncached = request.input_length - hits * request.block_tokens
@@ -334,6 +362,8 @@ class Replica:
         prefill_start = max(self.now, self.prefill_free_at)
         prefill_end = prefill_start + cost.step_seconds + uncached * cost.prefill_seconds_per_token
         self.prefill_free_at = prefill_end
+        if self.routed:
+            self._publish(request, computed, prefill_end)
         self.ttfts.append(prefill_end - request.timestamp_s)
         finish = prefill_end + request.output_length * cost.decode_seconds_per_token
         heapq.heappush(self.running, (finish, position, request))
