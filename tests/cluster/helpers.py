@@ -173,6 +173,12 @@ def reported(kube: Kube, ns: str, name: str) -> dict[str, Any] | None:
     return None
 
 
+def configured_policy(kube: Kube, ns: str, name: str) -> dict[str, Any] | None:
+    """The policy file in ServingPolicy ``name``'s ConfigMap, parsed (None while it is absent)."""
+    configmap = kube.get("configmap", f"{name}-policy", "-n", ns)
+    return None if configmap is None else json.loads(configmap["data"]["policy.json"])
+
+
 def ready_pods(kube: Kube, ns: str, name: str) -> list[dict[str, Any]]:
     pods = kube.get(
         "pods",

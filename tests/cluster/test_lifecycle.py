@@ -5,7 +5,6 @@ remove every child."""
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import pytest
@@ -15,6 +14,7 @@ from tests.cluster.helpers import (
     MakePolicy,
     Release,
     condition,
+    configured_policy,
     patch,
     ready_pods,
     reported,
@@ -40,12 +40,7 @@ def test_hot_switch_changes_only_the_configmap(
     patch(kube, ns, name, {"policy": "LRU"})
     wait_for(
         "the ConfigMap to say lru",
-        lambda: (
-            json.loads(
-                (kube.get("configmap", f"{name}-policy", "-n", ns) or {})["data"]["policy.json"]
-            )
-            == {"policy": "lru"}
-        ),
+        lambda: configured_policy(kube, ns, name) == {"policy": "lru"},
     )
     sp = wait_for("the report on generation 2", lambda: reported(kube, ns, name))
     assert sp["metadata"]["generation"] == 2

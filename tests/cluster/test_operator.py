@@ -17,6 +17,7 @@ from tests.cluster.helpers import (
     HostOperator,
     Kube,
     Release,
+    configured_policy,
     wait_for,
 )
 
@@ -62,8 +63,7 @@ def test_children_exist_owned_by_the_servingpolicy(
         assert labels["app.kubernetes.io/managed-by"] == "arc-serving-operator"
     # kv_aware discovers no pods through the API: no Role or RoleBinding.
     assert kube.get("role", f"{name}-router", "-n", ns) is None
-    policy = kube.get("configmap", f"{name}-policy", "-n", ns)
-    assert policy is not None and json.loads(policy["data"]["policy.json"]) == {"policy": "trio"}
+    assert configured_policy(kube, ns, name) == {"policy": "trio"}
 
 
 def test_serving_and_router_pods_become_ready(
@@ -192,12 +192,7 @@ def test_helm_upgrade_switches_the_policy_as_the_readme_says(
     assert sp is not None and sp["spec"]["policy"] == "LRU"
     wait_for(
         "the ConfigMap to say lru",
-        lambda: (
-            json.loads(
-                (kube.get("configmap", f"{name}-policy", "-n", ns) or {})["data"]["policy.json"]
-            )
-            == {"policy": "lru"}
-        ),
+        lambda: configured_policy(kube, ns, name) == {"policy": "lru"},
     )
     after = kube.get("deployment", name, "-n", ns)
     assert after is not None
