@@ -10,16 +10,11 @@ needs no cleaning between runs.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import json
-import os
 import secrets
-import signal
-import socket
-import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +39,8 @@ from tests.cluster.helpers import (  # noqa: E402
     Kube,
     MakePolicy,
     Release,
+    launch_operator,
+    operator_paused,
 )
 
 
@@ -123,54 +120,18 @@ def release(kube: Kube, monitoring_crds: list[str]) -> Iterator[Release]:
         kube.run("delete", "namespace", namespace, "--wait=false", check=False)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @pytest.fixture(scope="session")
 def host_operator(kube: Kube, release: Release) -> Iterator[HostOperator]:
     """The operator Deployment's own command and environment, run as a host process that
-    authenticates as the chart's ServiceAccount with a TokenRequest token; its kopf liveness
-    endpoint and the pods' metrics port on free local ports, a 2-second status interval and a
-    1-second scrape timeout."""
-    deployment = kube.get("deployment", f"{release.fullname}-operator", "-n", release.namespace)
-    assert deployment is not None
-    pod_spec = deployment["spec"]["template"]["spec"]
-    container = pod_spec["containers"][0]
-    kubeconfig = kube.cluster.write_token_kubeconfig(
-        pod_spec["serviceAccountName"],
+    authenticates as the chart's ServiceAccount with a TokenRequest token (`launch_operator`);
+    the pods' metrics port is a free one instead of vLLM's 8000, so the scrapes of pods on the
+    loopback node (test_status_metrics.py) reach only the stand-ins the tests serve."""
+    operator = launch_operator(
+        kube,
         release.namespace,
-        OUT / f"operator-{release.namespace}.kubeconfig",
+        f"{release.fullname}-operator",
+        OUT / f"operator-{release.namespace}.log",
     )
-    args = [
-        a if not a.startswith("--liveness=") else f"--liveness=http://127.0.0.1:{_free_port()}/h"
-        for a in container["args"]
-    ]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ARC_OPERATOR_")}
-    env.update({e["name"]: e["value"] for e in container.get("env", []) if "value" in e})
-    # The pods' metrics port: a free one instead of vLLM's 8000, so the scrapes of pods on the
-    # loopback node (test_status_metrics.py) reach only the stand-ins the tests serve.
-    metrics_port = _free_port()
-    env.update(
-        KUBECONFIG=str(kubeconfig),
-        ARC_OPERATOR_STATUS_INTERVAL="2",
-        ARC_OPERATOR_SCRAPE_TIMEOUT="1",
-        ARC_OPERATOR_METRICS_PORT=str(metrics_port),
-    )
-    assert container["command"] == ["kopf"]
-    log = OUT / f"operator-{release.namespace}.log"
-    with log.open("wb") as sink:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "kopf", *args],
-            stdout=sink,
-            stderr=subprocess.STDOUT,
-            env=env,
-            cwd=REPO,
-            start_new_session=True,
-        )
-    operator = HostOperator(process, log, kubeconfig, release.namespace, metrics_port)
     try:
         yield operator
     finally:
@@ -184,13 +145,37 @@ def host_operator(kube: Kube, release: Release) -> Iterator[HostOperator]:
             "--timeout=60s",
             check=False,
         )
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGTERM)
+        operator.stop()
+
+
+@pytest.fixture
+def own_operators(
+    kube: Kube, release: Release, host_operator: HostOperator
+) -> Iterator[Callable[..., HostOperator]]:
+    """`start(server=None)` starts another operator as the session's does (each with a token
+    of its own, so the audit log tells them apart, and a log `operator-<ns>-own-<n>.log`);
+    the session's operator is stopped meanwhile, so only these act. Each is stopped at the end
+    and the session's started again (before `make_policy` deletes what the test created)."""
+    started: list[HostOperator] = []
+
+    def start(server: str | None = None) -> HostOperator:
+        operator = launch_operator(
+            kube,
+            release.namespace,
+            f"{release.fullname}-operator",
+            OUT / f"operator-{release.namespace}-own-{len(started)}.log",
+            server=server,
+            metrics_port=host_operator.metrics_port,
+        )
+        started.append(operator)
+        return operator
+
+    with operator_paused(host_operator):
         try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait(timeout=30)
+            yield start
+        finally:
+            for operator in started:
+                operator.stop()
 
 
 @pytest.fixture

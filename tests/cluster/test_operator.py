@@ -11,13 +11,12 @@ from typing import Any
 import pytest
 
 from tests.cluster.helpers import (
-    CHART,
-    DEPRECATION,
     REPO,
     HostOperator,
     Kube,
     Release,
     configured_policy,
+    helm_upgrade,
     wait_for,
 )
 
@@ -176,18 +175,7 @@ def test_helm_upgrade_switches_the_policy_as_the_readme_says(
     name, ns = release.fullname, release.namespace
     before = kube.get("deployment", name, "-n", ns)
     assert before is not None
-    upgraded = kube.helm(
-        "upgrade",
-        release.name,
-        str(CHART),
-        "-n",
-        ns,
-        "--reuse-values",
-        "--set",
-        "servingPolicy.policy=LRU",
-    )
-    assert upgraded.returncode == 0, upgraded.stderr
-    assert not DEPRECATION.findall(upgraded.stdout + upgraded.stderr), upgraded.stderr
+    helm_upgrade(kube, release, "servingPolicy.policy=LRU")
     sp = kube.get("servingpolicy", name, "-n", ns)
     assert sp is not None and sp["spec"]["policy"] == "LRU"
     wait_for(
