@@ -195,7 +195,7 @@ audit: $(AUDIT_STAMP) $(HELM) $(STAMP)
 	  { $(AUDIT_VENV)/bin/checkov --directory images --framework dockerfile --compact --quiet \
 	      --skip-download || status=1; } && \
 	  echo "== bandit: medium and high severity" && \
-	  { $(AUDIT_VENV)/bin/bandit --recursive common/src arc_evictor/src simulator/src loadtest/src operator/src harness/src dev/src \
+	  { $(AUDIT_VENV)/bin/bandit --recursive common/src arc_evictor/src simulator/src loadtest/src operator/src harness/src dev/src cluster \
 	      charts/arc-serving/dashboards -ll \
 	      || status=1; } && \
 	  if [ "$$status" -eq 0 ]; then echo "make audit: clean"; else echo "make audit: FAILED" >&2; fi && \
