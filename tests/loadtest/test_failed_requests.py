@@ -17,8 +17,10 @@ from arc_loadtest.run import ReplayRun, run_replay
 pytestmark = [pytest.mark.locust, pytest.mark.slow]
 
 BLOCK_TOKENS = 32
-SERVER_PORT = 47580  # nothing else of the test suite listens in 47580-47599
-SILENT_PORT = 47590  # never bound: connections to it are refused
+# Below the kernel's ephemeral range (32768 and up), where an outgoing connection could take
+# the port; nothing else of the test suite listens in 27800-27819.
+SERVER_PORT = 27800
+SILENT_PORT = 27810  # never bound: connections to it are refused
 
 
 def long_answers(path: Path, requests: int, output_tokens: int, spacing_s: float) -> Path:
