@@ -54,9 +54,9 @@ test: $(STAMP) tools cluster-binaries cluster-crds
 	$(PY) -m pytest --durations=15
 
 # The fast tier for a developer's loop: everything that starts no vLLM server, no Locust run
-# and nothing else marked slow, with a tenth of each fuzz target's cases.
+# and nothing else marked slow, with a tenth of each fuzz target's cases, on every core.
 test-fast: $(STAMP) tools
-	ARC_FUZZ_FRACTION=0.1 $(PY) -m pytest -m "not vllm and not locust and not slow"
+	ARC_FUZZ_FRACTION=0.1 $(PY) -m pytest -n auto -m "not vllm and not locust and not slow"
 
 # The plugin's KVCacheManager-level tests against vLLM 0.33 in a second venv. PyPI has no CPU
 # build of 0.33, and its main wheel pins torch 2.14.0 with CUDA libraries (about 9 GB). Its KV
