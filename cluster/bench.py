@@ -540,15 +540,7 @@ class Tools:
     cluster: LocalCluster
 
     def env(self) -> dict[str, str]:
-        home = self.cluster.out.resolve() / "helm"
-        return {
-            **os.environ,
-            "KUBECONFIG": str(self.cluster.kubeconfig),
-            "KUBECACHEDIR": str(self.cluster.kube_cache),
-            "HELM_CACHE_HOME": str(home / "cache"),
-            "HELM_CONFIG_HOME": str(home / "config"),
-            "HELM_DATA_HOME": str(home / "data"),
-        }
+        return self.cluster.client_env()
 
     def run(self, tool: str, *args: str, input: str | None = None, timeout: float = 600) -> str:
         result = subprocess.run(

@@ -170,6 +170,19 @@ class LocalCluster:
     def kubectl_path(self) -> Path:
         return self.bin_dir / "kubectl"
 
+    def client_env(self, kubeconfig: Path | None = None) -> dict[str, str]:
+        """This process's environment for kubectl and helm against this cluster (the admin
+        kubeconfig unless another is given), their caches and helm's folders under ``out``."""
+        helm_home = self.out.resolve() / "helm"
+        return {
+            **os.environ,
+            "KUBECONFIG": str(kubeconfig or self.kubeconfig),
+            "KUBECACHEDIR": str(self.kube_cache),
+            "HELM_CACHE_HOME": str(helm_home / "cache"),
+            "HELM_CONFIG_HOME": str(helm_home / "config"),
+            "HELM_DATA_HOME": str(helm_home / "data"),
+        }
+
     def env(self) -> dict[str, str]:
         env = dict(os.environ)
         env["KWOK_WORKDIR"] = str(self.workdir)

@@ -94,16 +94,7 @@ class Kube:
     kubeconfig: Path
 
     def env(self) -> dict[str, str]:
-        env = dict(os.environ)
-        helm_home = self.cluster.out.resolve() / "helm"
-        env.update(
-            KUBECONFIG=str(self.kubeconfig),
-            HELM_CACHE_HOME=str(helm_home / "cache"),
-            HELM_CONFIG_HOME=str(helm_home / "config"),
-            HELM_DATA_HOME=str(helm_home / "data"),
-            KUBECACHEDIR=str(self.cluster.kube_cache),
-        )
-        return env
+        return self.cluster.client_env(self.kubeconfig)
 
     def run(
         self, *args: str, input: str | None = None, check: bool = True, timeout: float = 120

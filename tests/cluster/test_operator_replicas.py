@@ -33,30 +33,19 @@ pytestmark = pytest.mark.slow
 POLICY_LABEL = "arcserving.io/servingpolicy"
 
 
-def _applies(events: list[dict[str, Any]], ns: str, name: str) -> Counter[str]:
-    """Server-side applies of ServingPolicy `name`'s serving Deployment, per token."""
+def _patches(
+    events: list[dict[str, Any]], ns: str, name: str, resource: str, subresource: str | None = None
+) -> Counter[str]:
+    """Completed patches of object `name` (a server-side apply is one), per token."""
     return Counter(
         credential(e)
         for e in events
         if e["verb"] == "patch"
         and e["stage"] == "ResponseComplete"
-        and e["objectRef"].get("resource") == "deployments"
+        and e["objectRef"].get("resource") == resource
+        and e["objectRef"].get("subresource") == subresource
         and e["objectRef"].get("namespace") == ns
         and e["objectRef"].get("name") == name
-    )
-
-
-def _status_reports(events: list[dict[str, Any]], ns: str, name: str) -> Counter[str]:
-    """Status patches of ServingPolicy `name`, per token."""
-    return Counter(
-        credential(e)
-        for e in events
-        if e["verb"] == "patch"
-        and e["stage"] == "ResponseComplete"
-        and e["objectRef"].get("resource") == "servingpolicies"
-        and e["objectRef"].get("subresource") == "status"
-        and e["objectRef"].get("name") == name
-        and e["objectRef"].get("namespace") == ns
     )
 
 
@@ -81,7 +70,11 @@ def test_two_operators_both_act_and_the_outcome_is_still_right(
     assert len(tokens) == 2, tokens
     both = wait_for(
         "an apply of the Deployment from each operator",
-        lambda: (a := _applies(audit_events(kube, offset, user), ns, name)) and len(a) == 2 and a,
+        lambda: (
+            (a := _patches(audit_events(kube, offset, user), ns, name, "deployments"))
+            and len(a) == 2
+            and a
+        ),
     )
     print("applies of the Deployment per operator:", dict(both))
     patch(kube, ns, name, {"policy": "LRU"})
@@ -121,7 +114,10 @@ def test_two_operators_both_act_and_the_outcome_is_still_right(
     changed = audit_offset(kube)
     wait_for(
         "a status report from each operator",
-        lambda: len(_status_reports(audit_events(kube, changed, user), ns, name)) == 2,
+        lambda: (
+            len(_patches(audit_events(kube, changed, user), ns, name, "servingpolicies", "status"))
+            == 2
+        ),
     )
     sp = wait_for("the report on generation 2", lambda: reported(kube, ns, name))
     print("status:", sp["status"])
