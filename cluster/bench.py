@@ -782,6 +782,21 @@ def main(argv: list[str] | None = None) -> int:
         "--keep-cluster", action="store_true", help="leave a cluster started here running"
     )
     args = parser.parse_args(argv)
+    # Refused before any cluster starts.
+    if args.policies < 1:
+        parser.error(f"--policies must be at least 1, got {args.policies}")
+    if args.replicas < 2:
+        parser.error(
+            f"--replicas must be at least 2 (each policy gets a router), got {args.replicas}"
+        )
+    if not 0 < args.delete_fraction <= 1:
+        parser.error(f"--delete-fraction must be in (0, 1], got {args.delete_fraction}")
+    if args.window < 0:
+        parser.error(f"--window must be 0 or more seconds, got {args.window}")
+    for option in ("poll", "timeout", "status_interval"):
+        value = getattr(args, option)
+        if value is not None and value <= 0:
+            parser.error(f"--{option.replace('_', '-')} must be positive, got {value}")
 
     cluster = LocalCluster(out=args.out, name=CLUSTER_NAME)
     started = cluster.up()

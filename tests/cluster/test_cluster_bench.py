@@ -32,3 +32,23 @@ def test_the_cluster_bench_runs_its_three_phases(tmp_path: Path) -> None:
     assert "== summary: 3 ServingPolicies x 2 replicas" in done.stdout
     for row in SUMMARY_ROWS:
         assert row in done.stdout, row
+
+
+@pytest.mark.parametrize(
+    ("option", "message"),
+    [
+        (["--policies", "0"], "--policies must be at least 1, got 0"),
+        (["--replicas", "1"], "--replicas must be at least 2 (each policy gets a router), got 1"),
+        (["--window", "-5"], "--window must be 0 or more seconds, got -5.0"),
+        (["--delete-fraction", "2"], "--delete-fraction must be in (0, 1], got 2.0"),
+        (["--poll", "0"], "--poll must be positive, got 0.0"),
+    ],
+)
+def test_bad_options_are_refused_before_any_cluster_starts(
+    tmp_path: Path, option: list[str], message: str
+) -> None:
+    out = tmp_path / "bench"
+    done = subprocess.run([sys.executable, "-m", "cluster.bench", "--out", str(out), *option],
+                          cwd=REPO, capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 2 and message in done.stderr, done.stderr
+    assert not out.exists()
