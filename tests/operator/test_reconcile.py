@@ -10,6 +10,7 @@ from typing import Any
 import kopf
 import pytest
 
+from arc_operator.handlers import ROUTER_INDEXES, cleanup, repair_and_report
 from arc_operator.metrics import PodMetrics
 from arc_operator.models import OperatorConfig
 from arc_operator.reconcile import (
@@ -54,6 +55,10 @@ class FakeApi:
 
     def __init__(self) -> None:
         self.applied: list[str] = []
+        self.closed = False
+
+    async def close(self) -> None:
+        self.closed = True
 
     async def apply(self, manifest: dict[str, Any]) -> None:
         self.applied.append(manifest["kind"])
@@ -74,6 +79,10 @@ class StalledPods:
     def __init__(self) -> None:
         self.asked = asyncio.Event()
         self.answer = asyncio.Event()
+        self.closed = False
+
+    async def close(self) -> None:
+        self.closed = True
 
     @contextlib.asynccontextmanager
     async def get(self, url: str, timeout: Any) -> AsyncIterator[Any]:
@@ -162,3 +171,56 @@ async def test_passes_report_in_the_order_they_applied() -> None:
     pods.answer.set()
     await asyncio.wait_for(asyncio.gather(first, second), DEADLINE_S)
     assert finished == ["first", "second"]
+
+
+def timer_kwargs(body: kopf.Body, memo: kopf.Memo) -> dict[str, Any]:
+    """The keyword arguments kopf hands the status timer (the indexes empty)."""
+    return {
+        "body": body, "spec": body.spec, "status": body.status, "patch": kopf.Patch(),
+        "memo": memo, "logger": logger_of(body), "name": body.meta.name,
+        "namespace": body.meta.namespace, "serving_endpoints": {},
+        **{index: {} for index in ROUTER_INDEXES},
+    }  # fmt: skip
+
+
+@pytest.mark.asyncio
+async def test_cleanup_closes_the_clients_after_the_pass_in_flight() -> None:
+    api, pods = FakeApi(), StalledPods()
+    runtime = Runtime(config=OperatorConfig(), api=api, http=pods)  # type: ignore[arg-type]
+    body = kopf.Body(make_servingpolicy("demo", make_spec()))
+    memo = kopf.Memo(runtime=runtime)
+    kwargs = timer_kwargs(body, memo)
+    passing = asyncio.create_task(repair_and_report(**kwargs))
+    await asyncio.wait_for(pods.asked.wait(), DEADLINE_S)
+    closing = asyncio.create_task(cleanup(memo=memo, logger=logger_of(body)))
+    await until(lambda: runtime.passes.closing)
+    assert not (api.closed or pods.closed), "the clients stay open while the pass runs"
+    pods.answer.set()
+    await asyncio.wait_for(asyncio.gather(passing, closing), DEADLINE_S)
+    assert kwargs["patch"].status["activePolicy"] == "LRU", "the pass finished its report"
+    assert api.closed and pods.closed
+
+    # A timer that kopf fires after cleanup began touches neither client nor the status.
+    applied = len(api.applied)
+    late = timer_kwargs(body, memo)
+    await repair_and_report(**late)
+    assert len(api.applied) == applied
+    assert not late["patch"]
+
+
+@pytest.mark.asyncio
+async def test_cleanup_closes_the_clients_after_its_grace_if_a_pass_hangs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("arc_operator.handlers.SHUTDOWN_GRACE_S", 0.2)
+    api, pods = FakeApi(), StalledPods()
+    runtime = Runtime(config=OperatorConfig(), api=api, http=pods)  # type: ignore[arg-type]
+    body = kopf.Body(make_servingpolicy("demo", make_spec()))
+    memo = kopf.Memo(runtime=runtime)
+    passing = asyncio.create_task(repair_and_report(**timer_kwargs(body, memo)))
+    await asyncio.wait_for(pods.asked.wait(), DEADLINE_S)
+    await asyncio.wait_for(cleanup(memo=memo, logger=logger_of(body)), DEADLINE_S)
+    assert api.closed and pods.closed
+    passing.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await passing

@@ -24,9 +24,10 @@ the settings from the environment (an invalid variable stops the import, naming 
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import aiohttp
@@ -46,7 +47,8 @@ from arc_operator.reconcile import (
     repair_deleted_child,
 )
 
-# How long a running status/repair pass may take to finish when the operator stops.
+# How long a running status/repair pass may take to finish when the operator stops: kopf's
+# wait for a timer, then cleanup's wait for every pass before it closes the clients.
 SHUTDOWN_GRACE_S = 10.0
 # The child kinds whose deletion triggers a repair: (group, version, plural).
 CHILD_KINDS = (
@@ -139,13 +141,26 @@ def login_handler(settings: kopf.OperatorSettings, **_: Any) -> kopf.ConnectionI
     return login(settings)
 
 
-async def cleanup(memo: kopf.Memo, **_: Any) -> None:
+async def cleanup(memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
     runtime: Runtime | None = memo.get("runtime")
-    if runtime is not None:
-        await runtime.api.close()
-        await runtime.http.close()
+    if runtime is not None and not await runtime.close(SHUTDOWN_GRACE_S):
+        logger.warning(f"a pass was still running {SHUTDOWN_GRACE_S} s into the shutdown")
 
 
+def one_pass(handler: Callable[..., Awaitable[None]]) -> Callable[..., Awaitable[None]]:
+    """``handler`` run as one of the runtime's passes: skipped once cleanup has begun, and
+    waited for by cleanup before it closes the clients (see ``reconcile.Passes``)."""
+
+    @functools.wraps(handler)
+    async def run(*, memo: kopf.Memo, **kwargs: Any) -> None:
+        with memo["runtime"].passes.admit() as admitted:
+            if admitted:
+                await handler(memo=memo, **kwargs)
+
+    return run
+
+
+@one_pass
 async def reconcile_on_change(
     body: kopf.Body,
     spec: kopf.Spec,
@@ -166,6 +181,7 @@ async def reconcile_on_change(
     )  # fmt: skip
 
 
+@one_pass
 async def repair_and_report(
     body: kopf.Body,
     spec: kopf.Spec,
@@ -200,6 +216,7 @@ def serving_endpoints(
     return {} if owner is None or endpoint is None else {(namespace, owner): endpoint}
 
 
+@one_pass
 async def follow_serving_pods(
     labels: kopf.Labels,
     namespace: str,
@@ -225,6 +242,7 @@ def router_child_index(kind: str) -> Callable[..., dict[tuple[str, str], str]]:
     return index
 
 
+@one_pass
 async def recreate_deleted_child(
     event: kopf.RawEvent,
     labels: kopf.Labels,

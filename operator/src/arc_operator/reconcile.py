@@ -67,7 +67,7 @@ import asyncio
 import contextlib
 import datetime
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -109,6 +109,49 @@ def _lock_in(locks: dict[tuple[str, str], asyncio.Lock], key: tuple[str, str]) -
     return lock
 
 
+class Passes:
+    """The handler passes in flight, counted so that the clients close after the last one.
+
+    kopf gives a running timer a grace period at shutdown and then leaves it orphaned, and a
+    watch event that arrives while it stops can still start a pass; either would otherwise
+    meet closed clients (or reopen kopf's).
+
+    Invariants: ``_idle`` is set exactly when no pass is in flight; once ``closing`` is set,
+    no pass is admitted.
+    """
+
+    def __init__(self) -> None:
+        self.closing = False
+        self._in_flight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    @contextlib.contextmanager
+    def admit(self) -> Iterator[bool]:
+        """Yield whether a pass may run (False once closing), counting it while it does."""
+        if self.closing:
+            yield False
+            return
+        self._in_flight += 1
+        self._idle.clear()
+        try:
+            yield True
+        finally:
+            self._in_flight -= 1
+            if not self._in_flight:
+                self._idle.set()
+
+    async def close(self, timeout: float) -> bool:
+        """Admit no more passes and wait up to ``timeout`` seconds for the running ones;
+        False if some were still running."""
+        self.closing = True
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        except TimeoutError:
+            return False
+        return True
+
+
 @dataclass(frozen=True, slots=True)
 class Runtime:
     """Clients and settings shared by every handler; built once in on.startup.
@@ -119,7 +162,8 @@ class Runtime:
     ``locks`` and held while a pass observes and reports (see the module doc).
     ``router_workers`` holds, per ServingPolicy with a kv_aware router, the endpoints its
     Deployment was last applied with (written under the lock, dropped with the lock), so a
-    pod event that leaves the ready set as it was applies nothing.
+    pod event that leaves the ready set as it was applies nothing. Every handler that uses
+    ``api`` or ``http`` runs as one of ``passes``, so ``close`` closes them after the last.
     """
 
     config: OperatorConfig
@@ -128,6 +172,7 @@ class Runtime:
     locks: dict[tuple[str, str], asyncio.Lock] = field(default_factory=dict)
     observations: dict[tuple[str, str], asyncio.Lock] = field(default_factory=dict)
     router_workers: dict[tuple[str, str], tuple[mf.Endpoint, ...]] = field(default_factory=dict)
+    passes: Passes = field(default_factory=Passes)
 
     def lock(self, namespace: str, name: str) -> asyncio.Lock:
         """The lock of ServingPolicy ``namespace/name`` (created on first use)."""
@@ -136,6 +181,14 @@ class Runtime:
     def observation(self, namespace: str, name: str) -> asyncio.Lock:
         """The observation turn of ServingPolicy ``namespace/name`` (created on first use)."""
         return _lock_in(self.observations, (namespace, name))
+
+    async def close(self, grace: float) -> bool:
+        """Close the clients once the passes in flight end (at most ``grace`` seconds later);
+        False if some pass was still running."""
+        drained = await self.passes.close(grace)
+        await self.api.close()
+        await self.http.close()
+        return drained
 
     def forget(self, namespace: str, name: str) -> None:
         """Drop the locks of a deleted ServingPolicy (a holder keeps its reference)."""
