@@ -112,9 +112,10 @@ def _lock_in(locks: dict[tuple[str, str], asyncio.Lock], key: tuple[str, str]) -
 class Passes:
     """The handler passes in flight, counted so that the clients close after the last one.
 
-    kopf gives a running timer a grace period at shutdown and then leaves it orphaned, and a
-    watch event that arrives while it stops can still start a pass; either would otherwise
-    meet closed clients (or reopen kopf's).
+    kopf's shutdown outlives its cleanup: it gives a running timer a grace period and then
+    leaves it orphaned, an event still in a worker runs its handlers, and a timer that worker
+    spawns after kopf's last sweep of the daemons runs every interval until kopf cancels its
+    leftover tasks. Each would otherwise meet closed clients.
 
     Invariants: ``_idle`` is set exactly when no pass is in flight; once ``closing`` is set,
     no pass is admitted.
