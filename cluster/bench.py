@@ -598,7 +598,7 @@ def start_operator(
     log = cluster.out.resolve() / f"operator-{ns}.log"
     with log.open("wb") as sink:
         process = subprocess.Popen(
-            [sys.executable, "-m", container["command"][0], *args],
+            [sys.executable, "-m", "arc_operator", *args],
             stdout=sink,
             stderr=subprocess.STDOUT,
             env=env,

@@ -24,6 +24,8 @@ USER 10001:10001
 EXPOSE 8080
 HEALTHCHECK --interval=30s --timeout=5s --start-period=30s --retries=3 \
     CMD ["python3", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8080/healthz', timeout=4)"]
-ENTRYPOINT ["kopf"]
-# The chart passes its own arguments (namespaces, log level); these are the standalone default.
-CMD ["run", "-m", "arc_operator.handlers", "--standalone", "--all-namespaces", "--liveness=http://0.0.0.0:8080/healthz"]
+# kopf with the operator's handlers (python -m arc_operator). The chart passes its own arguments
+# (namespaces, log level, the release's Lease for leader election); these run one copy with no
+# election.
+ENTRYPOINT ["arc-operator"]
+CMD ["--all-namespaces", "--liveness=http://0.0.0.0:8080/healthz"]

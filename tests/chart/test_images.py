@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import json
 import re
+import tomllib
 from pathlib import Path
 
 import pytest
-from chart_helpers import REPO
+from chart_helpers import REPO, render
+
+from arc_operator.__main__ import parse_args
 
 IMAGES = sorted((REPO / "images").glob("*.Dockerfile"))
 PINNED_TAG = re.compile(r"^[\w./-]+:[\w.-]*\d[\w.-]*(@sha256:[0-9a-f]{64})?( AS \w+)?$")
@@ -50,6 +53,25 @@ def test_router_image_installs_the_tested_router_and_runs_it_without_a_shell() -
     ignore = (REPO / "images" / "router.Dockerfile.dockerignore").read_text(encoding="utf-8")
     rules = [line for line in ignore.splitlines() if line and not line.startswith("#")]
     assert rules == ["*"], "the build context admits nothing of the source tree"
+
+
+def test_operator_image_and_chart_run_the_operator_wheels_entry_point() -> None:
+    (deployment,) = [
+        o
+        for o in render()
+        if o["kind"] == "Deployment"
+        and o["metadata"]["labels"]["app.kubernetes.io/component"] == "operator"
+    ]
+    (command,) = deployment["spec"]["template"]["spec"]["containers"][0]["command"]
+    project = tomllib.loads((REPO / "operator" / "pyproject.toml").read_text(encoding="utf-8"))
+    assert project["project"]["scripts"][command] == "arc_operator.__main__:main"
+    steps = instructions(REPO / "images" / "operator.Dockerfile")
+    (entrypoint,) = [args for keyword, args in steps if keyword == "ENTRYPOINT"]
+    assert json.loads(entrypoint) == [command], "exec form, no shell"
+    # The image's default arguments, parsed by the operator itself: one copy, no election.
+    (cmd,) = [args for keyword, args in steps if keyword == "CMD"]
+    options = parse_args(json.loads(cmd), env={})
+    assert options.all_namespaces and options.lease_name is None
 
 
 @pytest.mark.parametrize("path", IMAGES, ids=lambda p: p.stem)

@@ -97,7 +97,10 @@ def operator_config(objects: list[dict[str, Any]]) -> OperatorConfig:
         if obj["metadata"]["labels"]["app.kubernetes.io/component"] == "operator"
     ]
     (container,) = deployment["spec"]["template"]["spec"]["containers"]
-    return OperatorConfig.from_env({var["name"]: var["value"] for var in container["env"]})
+    # The downward API's POD_NAME and POD_NAMESPACE (valueFrom) are the Lease's, not settings.
+    return OperatorConfig.from_env(
+        {var["name"]: var["value"] for var in container["env"] if "value" in var}
+    )
 
 
 def serving_children(objects: list[dict[str, Any]], namespace: str) -> list[dict[str, Any]]:

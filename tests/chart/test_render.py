@@ -30,6 +30,8 @@ from chart_helpers import (
     tool,
 )
 
+from arc_operator import rbac
+from arc_operator.__main__ import parse_args
 from arc_operator.manifests import (
     PORT,
     PORT_NAME,
@@ -186,11 +188,11 @@ def test_null_unsets_the_default_cache_size() -> None:
 def test_operator_watches_all_namespaces_with_a_cluster_role() -> None:
     objects = render()
     container = one(objects, "Deployment")["spec"]["template"]["spec"]["containers"][0]
-    assert container["command"] == ["kopf"]
-    assert container["args"][:3] == ["run", "-m", "arc_operator.handlers"]
+    assert container["command"] == ["arc-operator"]
     assert "--all-namespaces" in container["args"]
-    # ARC_OPERATOR_METRICS_PORT is left at its default, the engine pods' port.
-    env = {var["name"]: var["value"] for var in container["env"]}
+    # ARC_OPERATOR_METRICS_PORT is left at its default, the engine pods' port; the downward
+    # API's variables name the candidate on the Lease.
+    env = {var["name"]: var["value"] for var in container["env"] if "value" in var}
     # The NetworkPolicy peers (tests/chart/test_network_policy.py checks what they admit).
     assert len(json.loads(env.pop("ARC_OPERATOR_SERVING_PEERS"))) == 2
     assert len(json.loads(env.pop("ARC_OPERATOR_MONITORING_PEERS"))) == 2
@@ -217,11 +219,15 @@ def test_operator_confined_to_namespaces_gets_role_bindings_only_there() -> None
     assert not by_kind(objects, "ClusterRoleBinding")
     role = one(objects, "ClusterRole")
     assert role["rules"] == yaml.safe_load(RBAC_FILE.read_text(encoding="utf-8"))
-    bindings = by_kind(objects, "RoleBinding")
+    bindings = [b for b in by_kind(objects, "RoleBinding") if b["roleRef"]["kind"] == "ClusterRole"]
     assert sorted(b["metadata"]["namespace"] for b in bindings) == ["team-a", "team-b"]
     assert {b["subjects"][0]["name"] for b in bindings} == {"arc-operator"}
     assert {b["roleRef"]["name"] for b in bindings} == {role["metadata"]["name"]}
     assert not by_kind(objects, "ServiceAccount")
+    # The Lease stays in the release namespace whatever the operator watches.
+    (lease_binding,) = [b for b in by_kind(objects, "RoleBinding") if b not in bindings]
+    assert lease_binding["metadata"]["namespace"] == NAMESPACE
+    assert lease_binding["subjects"][0]["name"] == "arc-operator"
 
 
 def test_operator_rules_are_all_namespaced_so_role_bindings_grant_them() -> None:
@@ -237,8 +243,88 @@ def test_watched_namespaces_including_the_release_namespace_reconcile_the_defaul
         b["metadata"]["namespace"]
         for b in by_kind(objects, "RoleBinding")
         if b["metadata"]["labels"]["app.kubernetes.io/component"] == "operator"
+        and b["roleRef"]["kind"] == "ClusterRole"
     )
     assert namespaces == sorted([NAMESPACE, "team-a"])
+
+
+def operator_deployment(objects: list[dict[str, Any]]) -> dict[str, Any]:
+    return component(objects, "Deployment", "operator")
+
+
+def operator_roles(objects: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    """The operator's Roles or RoleBindings (not the cleanup hook's)."""
+    return [
+        o
+        for o in by_kind(objects, kind)
+        if o["metadata"]["labels"]["app.kubernetes.io/component"] == "operator"
+    ]
+
+
+@pytest.mark.parametrize("values", CI_VALUES, ids=ci_ids)
+def test_operator_args_parse_and_elect_on_the_releases_lease(values: Path) -> None:
+    deployment = operator_deployment(render(values))
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    # The operator's own parser (it exits 2 on an option it refuses).
+    options = parse_args(container["args"], env={})
+    assert options.lease_name == deployment["metadata"]["name"]
+    assert options.lease_namespace == NAMESPACE
+    assert options.liveness == "http://0.0.0.0:8080/healthz"
+    downward = {
+        var["name"]: var["valueFrom"]["fieldRef"]["fieldPath"]
+        for var in container["env"]
+        if "valueFrom" in var
+    }
+    assert downward == {"POD_NAME": "metadata.name", "POD_NAMESPACE": "metadata.namespace"}
+
+
+@pytest.mark.parametrize("replicas", [1, 3])
+def test_operator_replicas_roll_without_a_gap(replicas: int) -> None:
+    sets = {} if replicas == 1 else {"operator.replicas": str(replicas)}
+    spec = operator_deployment(render(sets=sets))["spec"]
+    assert spec["replicas"] == replicas
+    # A new pod waits as a follower, Ready, until the old one releases the Lease on SIGTERM.
+    assert spec["strategy"] == {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1},
+    }
+
+
+@pytest.mark.parametrize("values", CI_VALUES, ids=ci_ids)
+def test_lease_role_grants_the_releases_lease_only_in_the_release_namespace(
+    values: Path,
+) -> None:
+    objects = render(values)
+    lease = operator_deployment(objects)["metadata"]["name"]
+    account = operator_deployment(objects)["spec"]["template"]["spec"]["serviceAccountName"]
+    (role,) = operator_roles(objects, "Role")
+    assert role["metadata"]["namespace"] == NAMESPACE
+    assert role["rules"] == rbac.lease_rules(lease)
+    bindings = operator_roles(objects, "RoleBinding")
+    (binding,) = [b for b in bindings if b["roleRef"]["kind"] == "Role"]
+    assert binding["metadata"]["namespace"] == NAMESPACE
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": account, "namespace": NAMESPACE}
+    ]
+    # Every request the elector makes is granted; the Lease is the only object it may name.
+    for verb in ("get", "update", "create"):
+        assert rbac.allows(role["rules"], rbac.LEASE_GROUP, "leases", verb), verb
+    for rule in role["rules"]:
+        assert rule.get("resourceNames", [lease]) == [lease], rule
+        assert set(rule["verbs"]) <= {"get", "update", "create"}, rule
+
+
+def test_lease_rules_match_the_committed_file() -> None:
+    committed = CHART / "files" / "operator-lease-rules.yaml"
+    assert committed.read_text(encoding="utf-8") == rbac.render_lease_rules(), (
+        "run: python -m arc_operator.rbac --lease PATH"
+    )
+
+
+def test_no_lease_role_without_chart_rbac() -> None:
+    objects = render(sets={"operator.rbac.create": "false"})
+    assert not operator_roles(objects, "Role") and not operator_roles(objects, "RoleBinding")
 
 
 def test_operator_rbac_never_grants_wildcards_or_secrets() -> None:

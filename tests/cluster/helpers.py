@@ -192,7 +192,8 @@ class HostOperator:
             )
 
     def stop(self, timeout: float = 30) -> None:
-        """SIGTERM (kopf's graceful stop), SIGKILL after `timeout` seconds."""
+        """SIGTERM (kopf's graceful stop, then the Lease's release), SIGKILL after `timeout`
+        seconds."""
         self._signal(signal.SIGTERM)
         try:
             self.process.wait(timeout=timeout)
@@ -207,6 +208,11 @@ class HostOperator:
     def _signal(self, sig: signal.Signals) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.process.pid, sig)
+
+
+def lease_identity(operator: HostOperator) -> str:
+    """The operator's holderIdentity on its Lease (arc_operator.leadership, outside a pod)."""
+    return f"{socket.gethostname()}_{operator.process.pid}"
 
 
 def free_port() -> int:
@@ -228,12 +234,13 @@ def launch_operator(
     host process authenticated as its ServiceAccount with a fresh TokenRequest token (so the
     API server's audit log tells two such processes apart by the token's credential id); its
     kopf liveness endpoint and the pods' metrics port on free local ports, a 2-second status
-    interval and a 1-second scrape timeout. `server` replaces the API server's URL."""
+    interval and a 1-second scrape timeout. `server` replaces the API server's URL. Outside a
+    pod its identity on the release's Lease is `hostname_pid` (`lease_identity`)."""
     found = kube.get("deployment", deployment, "-n", namespace)
     assert found is not None, f"no deployment {namespace}/{deployment}"
     pod_spec = found["spec"]["template"]["spec"]
     container = pod_spec["containers"][0]
-    assert container["command"] == ["kopf"]
+    assert container["command"] == ["arc-operator"]
     kubeconfig = kube.cluster.write_token_kubeconfig(
         pod_spec["serviceAccountName"], namespace, log.with_suffix(".kubeconfig")
     )
@@ -256,7 +263,7 @@ def launch_operator(
     )
     log.write_bytes(b"")
     operator = HostOperator(
-        [sys.executable, "-m", "kopf", *args], env, log, kubeconfig, namespace, port
+        [sys.executable, "-m", "arc_operator", *args], env, log, kubeconfig, namespace, port
     )
     operator.start()
     return operator

@@ -1,6 +1,7 @@
 """The chart's RBAC on the real authorizer: the operator runs as the chart's ServiceAccount, so
 a rule taken out of its ClusterRole is refused by the API server; the operator reports it as
-ApplyRejected with the server's message and heals at its next pass once the rule is back."""
+ApplyRejected with the server's message and heals at its next pass once the rule is back. The
+ServiceAccount holds the chart's rules and no more, its Lease's among them."""
 
 from __future__ import annotations
 
@@ -30,10 +31,10 @@ def test_service_account_has_exactly_the_chart_rules(
     sa = f"system:serviceaccount:{release.namespace}:{release.fullname}-operator"
     ns = release.namespace
 
-    def can(verb: str, resource: str, subresource: str = "") -> bool:
+    def can(verb: str, resource: str, subresource: str = "", namespace: str = ns) -> bool:
         extra = [f"--subresource={subresource}"] if subresource else []
         result = kube.run(
-            "auth", "can-i", verb, resource, *extra, "-n", ns, "--as", sa, check=False
+            "auth", "can-i", verb, resource, *extra, "-n", namespace, "--as", sa, check=False
         )
         return result.stdout.strip() == "yes"
 
@@ -48,6 +49,16 @@ def test_service_account_has_exactly_the_chart_rules(
     assert not can("list", "secrets")
     assert not can("delete", "configmaps")
     assert not can("update", "deployments.apps")
+    # The leader election: its own Lease by name, in the release namespace only; create, which
+    # RBAC cannot restrict by name, there too.
+    leases, lease = "leases.coordination.k8s.io", f"{release.fullname}-operator"
+    assert can("create", leases)
+    assert can("get", f"{leases}/{lease}") and can("update", f"{leases}/{lease}")
+    assert not can("get", f"{leases}/another") and not can("update", f"{leases}/another")
+    assert not can("delete", f"{leases}/{lease}") and not can("patch", f"{leases}/{lease}")
+    assert not can("list", leases) and not can("watch", leases)
+    for verb in ("create", "get", "update"):
+        assert not can(verb, f"{leases}/{lease}", namespace="default"), verb
 
 
 # (id, rule taken out: resource and verb, the ServingPolicy's spec, the child that cannot be

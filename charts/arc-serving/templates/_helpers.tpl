@@ -110,6 +110,14 @@ The operator's ServiceAccount name.
 {{- end }}
 
 {{/*
+The Lease the operator's replicas elect their one acting leader on (arc_operator.leadership):
+one per release, in the release namespace, named as the operator's Deployment.
+*/}}
+{{- define "arc-serving.operator.leaseName" -}}
+{{- include "arc-serving.componentName" (dict "context" . "component" "operator") }}
+{{- end }}
+
+{{/*
 Name of the default ServingPolicy, which is also the name of the Deployment and Service the
 operator creates for it (conventions: Deployment NAME, Service NAME, ConfigMap NAME-policy).
 The hard limit on the name is 63 characters: it is the Service's name (a DNS-1035 label) and

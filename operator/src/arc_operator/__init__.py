@@ -1,7 +1,8 @@
 """The arc-serving operator: a kopf operator for the ``ServingPolicy`` custom resource.
 
-Run it with ``kopf run -m arc_operator.handlers --all-namespaces``. The package is named
-``arc_operator`` because a package named ``operator`` would shadow the standard library.
+Run it with ``arc-operator --all-namespaces`` (``python -m arc_operator``; see ``__main__``).
+The package is named ``arc_operator`` because a package named ``operator`` would shadow the
+standard library.
 """
 
 from __future__ import annotations

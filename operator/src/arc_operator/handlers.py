@@ -1,4 +1,4 @@
-"""kopf handlers for the ServingPolicy kind (run: ``kopf run -m arc_operator.handlers``).
+"""kopf handlers for the ServingPolicy kind (run: ``arc-operator``, see ``__main__``).
 
 Each handler is a few lines calling ``arc_operator.reconcile``, which states what a pass
 does, how passes are ordered and how errors are handled:
