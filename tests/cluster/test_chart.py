@@ -131,3 +131,20 @@ def test_ci_variant_passes_server_dry_run(kube: Kube, monitoring_crds: bool, val
     namespace = f"dry-{values.stem}"[:63]
     for stderr in _dry_run_ci_variant(kube, values, namespace):
         assert not DEPRECATION.findall(stderr), stderr
+
+
+def test_helm_test_pod_starts_but_only_a_kubelet_can_pass_it(kube: Kube, release: Release) -> None:
+    """On kwok's nodes `helm test` creates its pod, which the API server admits and the
+    scheduler binds, and kwok reports Running and Ready; but no container runs, so the pod
+    never succeeds and `helm test` ends at its timeout, naming the pod. The checks themselves
+    (curl against the Service) need a real kubelet."""
+    result = kube.helm("test", release.name, "-n", release.namespace, "--timeout", "20s")
+    test_pod = f"{release.fullname}-test"
+    assert result.returncode != 0
+    assert f"Pod/{release.namespace}/{test_pod} not ready" in result.stderr, result.stderr
+    pod = kube.get("pod", test_pod, "-n", release.namespace)
+    assert pod is not None
+    assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
+    assert pod["spec"]["nodeName"].startswith("kwok-")
+    assert pod["status"]["phase"] == "Running"
+    kube.run("delete", "pod", test_pod, "-n", release.namespace, "--wait=false")
