@@ -4,6 +4,7 @@ slow TCP link to the API server."""
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import json
 import os
@@ -399,25 +400,47 @@ def patch(kube: Kube, ns: str, name: str, spec: dict[str, Any]) -> None:
     )
 
 
-class Watch:
-    """`kubectl get KIND --watch -o name` in a namespace, its lines read as they come."""
+class KubectlStream(abc.ABC):
+    """A long-running kubectl command whose output lines are handed to ``on_line`` as they
+    come, on a reader thread."""
 
-    def __init__(self, kube: Kube, kind: str, namespace: str) -> None:
+    def __init__(self, kube: Kube, *args: str) -> None:
         self._process = subprocess.Popen(
-            [str(kube.cluster.kubectl_path), "get", kind, "-n", namespace, "--watch", "-o", "name"],
+            [str(kube.cluster.kubectl_path), *args],
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
             text=True,
             env=kube.env(),
         )
-        self._lines: queue.Queue[str] = queue.Queue()
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
 
     def _read(self) -> None:
         assert self._process.stdout is not None
         for line in self._process.stdout:
-            self._lines.put(line.strip())
+            self.on_line(line)
+
+    @abc.abstractmethod
+    def on_line(self, line: str) -> None:
+        """Take one line of output (called on the reader thread)."""
+
+    def close(self) -> None:
+        self._process.kill()
+        self._process.wait(timeout=30)
+        self._reader.join(timeout=30)
+        assert self._process.stdout is not None
+        self._process.stdout.close()
+
+
+class Watch(KubectlStream):
+    """`kubectl get KIND --watch -o name` in a namespace, its lines read as they come."""
+
+    def __init__(self, kube: Kube, kind: str, namespace: str) -> None:
+        self._lines: queue.Queue[str] = queue.Queue()
+        super().__init__(kube, "get", kind, "-n", namespace, "--watch", "-o", "name")
+
+    def on_line(self, line: str) -> None:
+        self._lines.put(line.strip())
 
     def wait_line(self, what: str, match: Callable[[str], bool], timeout: float = WAIT_S) -> str:
         """The first line (from now on) that `match`es; fails naming `what` at the deadline."""
@@ -430,12 +453,17 @@ class Watch:
             if match(line):
                 return line
 
-    def close(self) -> None:
-        self._process.kill()
-        self._process.wait(timeout=30)
-        self._reader.join(timeout=30)
-        assert self._process.stdout is not None
-        self._process.stdout.close()
+
+class RawWatch(KubectlStream):
+    """`kubectl get --raw PATH?watch=1`: the API server's watch events (one JSON per line)
+    collected in ``events`` as they come, the first ones describing the objects that exist."""
+
+    def __init__(self, kube: Kube, path: str) -> None:
+        self.events: list[dict[str, Any]] = []
+        super().__init__(kube, "get", "--raw", path)
+
+    def on_line(self, line: str) -> None:
+        self.events.append(json.loads(line))
 
 
 def audit_offset(kube: Kube) -> int:

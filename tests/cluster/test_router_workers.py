@@ -13,8 +13,6 @@ from __future__ import annotations
 import itertools
 import json
 import re
-import subprocess
-import threading
 from typing import Any
 
 import pytest
@@ -22,6 +20,7 @@ import pytest
 from tests.cluster.helpers import (
     Kube,
     MakePolicy,
+    RawWatch,
     Release,
     condition,
     patch,
@@ -34,35 +33,6 @@ pytestmark = pytest.mark.slow
 
 SERVING_SELECTOR = "arcserving.io/servingpolicy={name},app.kubernetes.io/component=serving"
 WORKER_URL = re.compile(r"^http://([0-9.]+):8000$")
-
-
-class RawWatch:
-    """`kubectl get --raw PATH?watch=1`: the API server's watch events, one JSON per line,
-    collected as they come (the first ones describe the objects that exist)."""
-
-    def __init__(self, kube: Kube, path: str) -> None:
-        self._process = subprocess.Popen(
-            [str(kube.cluster.kubectl_path), "get", "--raw", path],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            text=True,
-            env=kube.env(),
-        )
-        self.events: list[dict[str, Any]] = []
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        assert self._process.stdout is not None
-        for line in self._process.stdout:
-            self.events.append(json.loads(line))
-
-    def close(self) -> None:
-        self._process.kill()
-        self._process.wait(timeout=30)
-        self._reader.join(timeout=30)
-        assert self._process.stdout is not None
-        self._process.stdout.close()
 
 
 def set_ready(kube: Kube, pod: dict[str, Any], ready: bool) -> None:
