@@ -3,21 +3,25 @@ generate workloads, evaluate the policies and study scaling.
 
     arc-evictor simulate TRACE --policy lru,dbl,arc --capacity 1000,10% [--sequential]
                          [--replicas N --router kv_aware,... [--router-temperature T]]
-                         [--format auto] [--json]
+                         [--format auto] [--json] [--time-scale F]
+                         [--prefill-tokens-per-second R] [--decode-seconds-per-token S] ...
                          [--plot FILE.png]
     arc-evictor scale [--out out/scale] [--replicas 1,2,4,8,16,32] [--router ...] [--trace ...]
+                      [--time-scale F] [--prefill-tokens-per-second R] ...
     arc-evictor generate docqa|conversation --out FILE [--form bailian] [--seed 0] ...
     arc-evictor evaluate [--out out/evaluate] [--seeds 0,1,2] [--capacity 5,10,20,40] [--check]
 
 Bad input (an unknown policy, a malformed trace line, a bad capacity, an unknown
 flag) prints one line naming the problem to stderr and exits with status 2 before
 any work, creating or changing no file or folder.
+
+``simulate`` and ``scale`` print a warning to stderr when the offered load exceeds what
+the replicas serve (``scaling.overload_warnings``).
 """
 
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from collections.abc import Sequence
 from dataclasses import fields
@@ -35,8 +39,14 @@ from arc_simulator.generate import (
 )
 from arc_simulator.report import plot, table, to_json
 from arc_simulator.routing import make_router, router_names
-from arc_simulator.scaling import add_scale_command
-from arc_simulator.simulate import CostModel, build_policy, simulator_policy_names, sweep
+from arc_simulator.scaling import (
+    add_load_arguments,
+    add_scale_command,
+    cost_from_args,
+    overload_warnings,
+    time_scale_from_args,
+)
+from arc_simulator.simulate import build_policy, simulator_policy_names, sweep, time_scaled
 
 
 def parse_policies(text: str) -> list[str]:
@@ -84,18 +94,8 @@ def parse_capacities(text: str, distinct_blocks: int) -> list[int]:
 
 def _simulate(args: argparse.Namespace) -> int:
     policies = parse_policies(args.policy)
-    rate = args.prefill_tokens_per_second
-    if not (math.isfinite(rate) and rate > 0):
-        raise UsageError(f"--prefill-tokens-per-second must be a finite number > 0, got {rate}")
-    try:
-        cost = CostModel(
-            prefill_seconds_per_token=1.0 / args.prefill_tokens_per_second,
-            decode_seconds_per_token=args.decode_seconds_per_token,
-            step_seconds=args.step_seconds,
-            max_batch_tokens=args.max_batch_tokens,
-        )
-    except (ValueError, ZeroDivisionError) as error:
-        raise UsageError(str(error)) from None
+    cost = cost_from_args(args)
+    time_scale = time_scale_from_args(args)
     parse_capacities(args.capacity, 1)  # the syntax, before the trace is read
     routers: list[str] = []
     if args.router is not None and args.replicas is None:
@@ -113,7 +113,9 @@ def _simulate(args: argparse.Namespace) -> int:
             check_fleet(name, args.replicas)
     if args.plot and not writable_folder(args.plot):
         raise UsageError(f"--plot {args.plot}: cannot write into {args.plot.parent}")
-    requests = load_trace(args.trace, args.format, block_tokens=args.block_tokens)
+    requests = time_scaled(
+        load_trace(args.trace, args.format, block_tokens=args.block_tokens), time_scale
+    )
     distinct = len({key for request in requests for key in request.keys})
     capacities = parse_capacities(args.capacity, distinct)
     if routers:
@@ -147,6 +149,9 @@ def _simulate(args: argparse.Namespace) -> int:
         except OSError as error:
             raise UsageError(f"--plot {args.plot}: {error.strerror}") from None
         print(f"plot written to {written}", file=sys.stderr if args.json else sys.stdout)
+    rows = [{**result.as_dict(), "trace": Path(args.trace).name} for result in results]
+    for warning in overload_warnings(rows, time_scale, cost):
+        print(warning, file=sys.stderr)
     return 0
 
 
@@ -253,11 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="kv_aware: 0 (the default) takes the least cost, above 0 draws with weights "
         "exp(-(cost - least) / T), as vllm-router's flag",
     )
-    cost = simulate.add_argument_group("cost model (overlapping mode; see CostModel)")
-    cost.add_argument("--prefill-tokens-per-second", type=float, default=20_000.0)
-    cost.add_argument("--decode-seconds-per-token", type=float, default=0.02)
-    cost.add_argument("--step-seconds", type=float, default=0.005)
-    cost.add_argument("--max-batch-tokens", type=int, default=1_000_000)
+    add_load_arguments(simulate)
     simulate.set_defaults(run=_simulate)
 
     generate = commands.add_parser("generate", help="write a generated workload as a trace")

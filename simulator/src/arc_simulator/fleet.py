@@ -18,6 +18,11 @@ know then (``FleetView``); ``simulate.replay_sequential`` and
   queues and its requests' time to first token grows. A router at time t sees
   each replica after every admission and completion up to t.
 
+Each replica's utilisation is the larger of its prefill lane's busy time and its
+pool's pinned block-seconds, each over what the trace's span allows
+(``SimulationResult.utilisations``); their sums are the fleet's offered load, in
+replicas, against a capacity of ``replicas``.
+
 With one replica both modes give exactly the single-replica results. Belady's
 bound needs each replica's future request stream, which depends on routing
 decisions not yet made, so a fleet of more than one replica does not take it.
@@ -37,6 +42,7 @@ from arc_simulator.simulate import (
     SimulationResult,
     build_policy,
     policy_statistics,
+    record_load,
     record_ttfts,
     replay_overlapping,
     replay_sequential,
@@ -61,7 +67,12 @@ class _View:
         return self._replicas[replica].prefilling(self.now)
 
 
-def _merge(replicas: Sequence[Replica], router_name: str, started: float) -> SimulationResult:
+def _merge(
+    replicas: Sequence[Replica],
+    router_name: str,
+    started: float,
+    requests: Sequence[TraceRequest],
+) -> SimulationResult:
     """The fleet's result: counts summed over replicas, ARC's target averaged."""
     first = replicas[0].result
     merged = SimulationResult(first.policy, first.capacity, first.mode)
@@ -89,6 +100,7 @@ def _merge(replicas: Sequence[Replica], router_name: str, started: float) -> Sim
     merged.prefill_token_shares = [replica.prefill_tokens / total_prefill for replica in replicas]
     if merged.mode == "overlapping":
         record_ttfts(merged, [ttft for replica in replicas for ttft in replica.ttfts])
+    record_load(merged, replicas, requests)
     merged.seconds = time.perf_counter() - started
     return merged
 
@@ -142,7 +154,7 @@ def simulate_fleet(
     started = time.perf_counter()
     replay = replay_sequential if sequential else replay_overlapping
     replay(requests, fleet, route)
-    return _merge(fleet, router.name, started), decisions
+    return _merge(fleet, router.name, started, requests), decisions
 
 
 def fleet_sweep(

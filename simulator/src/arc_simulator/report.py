@@ -13,6 +13,10 @@ def _ms(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds * 1000:.0f}"
 
 
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
 def label(result: SimulationResult) -> str:
     """The policy, and the router when a fleet ran it."""
     return result.policy if result.router is None else f"{result.router} {result.policy}"
@@ -23,6 +27,10 @@ def table(results: Sequence[SimulationResult]) -> str:
 
     A fleet adds its replica count and the imbalance of requests and of prefill
     tokens (the busiest replica's share times the replica count; 1.00 is even).
+    Every table ends with the offered load (in replicas), the busiest replica's
+    utilisation over the span and its peak utilisation, over the busiest tenth of the
+    span (``SimulationResult.utilisations``, ``peak_utilisations``; a peak of 1.00 or more
+    is overload).
     """
     overlapping = any(result.ttft_p50_s is not None for result in results)
     fleet = any(result.router is not None for result in results)
@@ -41,6 +49,7 @@ def table(results: Sequence[SimulationResult]) -> str:
         header += ["rejected", "req imbal", "prefill imbal"]
     if overlapping:
         header += ["TTFT p50 ms", "p90 ms", "p99 ms"]
+    header += ["offered", "max util", "peak util"]
     text_columns = {header.index("policy")} | ({header.index("router")} if fleet else set())
     rows = [header]
     for result in results:
@@ -63,6 +72,11 @@ def table(results: Sequence[SimulationResult]) -> str:
             ]
         if overlapping:
             row += [_ms(result.ttft_p50_s), _ms(result.ttft_p90_s), _ms(result.ttft_p99_s)]
+        row += [
+            _ratio(result.offered_load),
+            _ratio(result.max_utilisation),
+            _ratio(result.max_peak_utilisation),
+        ]
         rows.append(row)
     widths = [max(len(row[column]) for row in rows) for column in range(len(header))]
     lines = []
@@ -79,7 +93,8 @@ def table(results: Sequence[SimulationResult]) -> str:
 
 def to_json(results: Sequence[SimulationResult]) -> str:
     """A JSON list with one object per result (``policy``, ``capacity``, rates, ...;
-    ``replicas``, ``router`` and per-replica load shares for a fleet)."""
+    ``replicas``, ``router`` and per-replica load shares for a fleet; ``utilisation``
+    per replica, ``max_utilisation`` and ``offered_load``)."""
     return json.dumps([result.as_dict() for result in results], indent=2)
 
 

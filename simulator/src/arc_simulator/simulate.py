@@ -13,6 +13,12 @@ the requests' blocks in file order:
   waits, and so does everything behind it. Service time follows ``CostModel``;
   the result adds modelled time-to-first-token percentiles.
 
+Both modes report each replica's utilisation (``SimulationResult.utilisations``):
+how much of the trace's span its two finite resources are busy, the serial
+prefill lane (time) and, in overlapping mode, the block pool (pinned blocks);
+and its peak utilisation (``peak_utilisations``), the prefill work arriving in the
+busiest tenth of the span, which decides overload (``overloaded``).
+
 A request with more blocks than the pool is rejected (vLLM refuses a prompt
 longer than its KV cache): its blocks count as queries that miss.
 
@@ -29,7 +35,7 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from arc_evictor.policies import EvictionPolicy, make_policy, policy_names
@@ -53,6 +59,12 @@ class CostModel:
       One request alone is always admitted.
 
     Defaults are of the order of an 8B model on one modern GPU.
+
+    Two resources are finite: the serial prefill lane (time) and, in overlapping
+    mode, the block pool a running request pins from admission to its last output
+    token (memory). Decode has no shared throughput (every request decodes at its own
+    rate whatever else runs): its seconds load a replica only through the blocks they
+    keep pinned. ``SimulationResult.utilisations`` measures both.
     """
 
     prefill_seconds_per_token: float = 1.0 / 20_000
@@ -96,6 +108,12 @@ class SimulationResult:
     router: str | None = None
     request_shares: list[float] = field(default_factory=lambda: [1.0])
     prefill_token_shares: list[float] = field(default_factory=lambda: [1.0])
+    # Load (``record_load``): the trace's span and, per replica, the prefill lane's busy
+    # time and the time integral of the pool's pinned blocks.
+    span_s: float = 0.0
+    prefill_busy_s: list[float] = field(default_factory=lambda: [0.0])
+    pinned_block_s: list[float] = field(default_factory=lambda: [0.0])
+    peak_prefill_s: list[float] = field(default_factory=lambda: [0.0])
 
     @property
     def block_hit_rate(self) -> float:
@@ -117,12 +135,120 @@ class SimulationResult:
         """The same for prefill (uncached prompt) tokens, the compute a replica spends."""
         return max(self.prefill_token_shares) * self.replicas
 
+    @property
+    def prefill_utilisations(self) -> list[float] | None:
+        """Per replica, ``prefill_busy_s / span_s``: the busy time of the serial prefill
+        lane (``step_seconds`` plus uncached prompt tokens times
+        ``prefill_seconds_per_token`` for each request served; cached tokens and
+        rejected requests cost nothing) over the trace's span (last arrival minus
+        first). None when the span is 0."""
+        if self.span_s <= 0:
+            return None
+        return [busy / self.span_s for busy in self.prefill_busy_s]
+
+    @property
+    def kv_utilisations(self) -> list[float] | None:
+        """Per replica, ``pinned_block_s / (capacity x span_s)``: the time integral of
+        the pool's pinned blocks (a request pins its blocks from admission to its last
+        output token, so this is where decode time counts; blocks shared by running
+        requests count once) over the pool's blocks times the span. 0 in sequential
+        mode, where nothing stays pinned. None when the span is 0."""
+        if self.span_s <= 0:
+            return None
+        return [pinned / (self.capacity * self.span_s) for pinned in self.pinned_block_s]
+
+    @property
+    def utilisations(self) -> list[float] | None:
+        """Each replica's utilisation: the larger of its prefill and its KV utilisation
+        (``prefill_utilisations``, ``kv_utilisations``), the resource that binds first.
+
+        Both are work done over the span, and neither resource can do more than one
+        span's worth within it, so at 1 or more the replica is busy until the last
+        arrival or later: its queue does not drain while the trace runs. None when the
+        span is 0 (one arrival time: no rate to serve).
+        """
+        prefill, kv = self.prefill_utilisations, self.kv_utilisations
+        if prefill is None or kv is None:
+            return None
+        return [max(pair) for pair in zip(prefill, kv, strict=True)]
+
+    @property
+    def max_utilisation(self) -> float | None:
+        """The busiest replica's utilisation; None when the span is 0."""
+        utilisations = self.utilisations
+        return None if utilisations is None else max(utilisations)
+
+    @property
+    def peak_utilisations(self) -> list[float] | None:
+        """Per replica, the larger of its KV utilisation and its prefill utilisation in the
+        busiest tenth of the span: ``peak_prefill_s``, the prefill time of the requests it
+        served that arrived in that tenth (``LOAD_WINDOWS`` equal windows from the first
+        arrival, the last arrival in the last), over the tenth's length.
+
+        Never below ``utilisations`` (the span's prefill utilisation is the mean of the
+        tenths'). At 1 or more the replica falls behind for a tenth of the run or longer:
+        work arrives faster than the lane serves it, so its queue grows over that stretch,
+        which a busy middle hides from the span's average. None when the span is 0.
+        """
+        kv = self.kv_utilisations
+        if kv is None:
+            return None
+        window = self.span_s / LOAD_WINDOWS
+        pairs = zip(self.peak_prefill_s, kv, strict=True)
+        return [max(peak / window, pool) for peak, pool in pairs]
+
+    @property
+    def max_peak_utilisation(self) -> float | None:
+        """The largest ``peak_utilisations``; None when the span is 0."""
+        peaks = self.peak_utilisations
+        return None if peaks is None else max(peaks)
+
+    @property
+    def offered_prefill(self) -> float | None:
+        """Prefill seconds the run asked of the fleet per second of trace time, in replicas
+        (the sum of ``prefill_utilisations``; a fleet of N serves at most N). It counts the
+        prefill this run's hits left to compute, so routing and policy change it."""
+        prefill = self.prefill_utilisations
+        return None if prefill is None else sum(prefill)
+
+    @property
+    def offered_kv(self) -> float | None:
+        """Pinned block-seconds per second of trace time, in replicas' pools (the sum of
+        ``kv_utilisations``)."""
+        kv = self.kv_utilisations
+        return None if kv is None else sum(kv)
+
+    @property
+    def offered_load(self) -> float | None:
+        """The fleet's offered load in replicas: the larger of ``offered_prefill`` and
+        ``offered_kv``, against a capacity of ``replicas``. None when the span is 0."""
+        prefill, kv = self.offered_prefill, self.offered_kv
+        return None if prefill is None or kv is None else max(prefill, kv)
+
+    @property
+    def overloaded(self) -> bool:
+        """True when a replica's peak utilisation is 1 or more (``peak_utilisations``): the
+        prefill arriving in a tenth of the span needs the whole tenth or more, or the
+        pool's pinned blocks fill it for the whole span or more."""
+        peak = self.max_peak_utilisation
+        return peak is not None and peak >= 1.0
+
     def as_dict(self) -> dict[str, Any]:
         row = asdict(self)
         row["block_hit_rate"] = self.block_hit_rate
         row["token_hit_rate"] = self.token_hit_rate
         row["request_imbalance"] = self.request_imbalance
         row["prefill_imbalance"] = self.prefill_imbalance
+        row["prefill_utilisation"] = self.prefill_utilisations
+        row["kv_utilisation"] = self.kv_utilisations
+        row["utilisation"] = self.utilisations
+        row["max_utilisation"] = self.max_utilisation
+        row["peak_utilisation"] = self.peak_utilisations
+        row["max_peak_utilisation"] = self.max_peak_utilisation
+        row["overloaded"] = self.overloaded
+        row["offered_prefill"] = self.offered_prefill
+        row["offered_kv"] = self.offered_kv
+        row["offered_load"] = self.offered_load
         return row
 
 
@@ -183,6 +309,61 @@ def percentile(sorted_values: Sequence[float], fraction: float) -> float | None:
     return sorted_values[rank - 1]
 
 
+# Overload is judged on the prefill arriving in each tenth of the span (``peak_utilisations``).
+LOAD_WINDOWS = 10
+
+
+def trace_span(requests: Sequence[TraceRequest]) -> float:
+    """The trace's span: its last arrival minus its first (0 for fewer than two)."""
+    if not requests:
+        return 0.0
+    times = [request.timestamp_s for request in requests]
+    return max(times) - min(times)
+
+
+def record_load(
+    result: SimulationResult, replicas: Sequence[Replica], requests: Sequence[TraceRequest]
+) -> None:
+    """Set ``result``'s span and each replica's busy time and pinned block-seconds
+    (``utilisations``)."""
+    result.span_s = span = trace_span(requests)
+    result.prefill_busy_s = [replica.prefill_busy_s for replica in replicas]
+    result.pinned_block_s = [replica.pinned_block_s for replica in replicas]
+    start = min((request.timestamp_s for request in requests), default=0.0)
+    peaks = []
+    for replica in replicas:
+        windows = [0.0] * LOAD_WINDOWS
+        if span > 0:
+            for arrival, work in replica.prefill_log:
+                index = int((arrival - start) / span * LOAD_WINDOWS)
+                windows[min(index, LOAD_WINDOWS - 1)] += work
+        peaks.append(max(windows))
+    result.peak_prefill_s = peaks
+
+
+MAX_TIME_SCALE = 1000.0  # beyond it a trace's hours become years; a typo, not a study
+
+
+def check_time_scale(factor: float) -> None:
+    """Raise ValueError naming ``--time-scale`` unless 0 < ``factor`` <= ``MAX_TIME_SCALE``."""
+    if not (math.isfinite(factor) and 0 < factor <= MAX_TIME_SCALE):
+        raise ValueError(f"--time-scale must be a number in (0, {MAX_TIME_SCALE:g}], got {factor}")
+
+
+def time_scaled(requests: Sequence[TraceRequest], factor: float) -> list[TraceRequest]:
+    """``requests`` with every inter-arrival time multiplied by ``factor`` (the request
+    rate divided by it): arrival t becomes t0 + (t - t0) x factor, t0 the first arrival.
+    Nothing else changes; factor 1 returns the requests themselves."""
+    check_time_scale(factor)
+    if factor == 1 or not requests:
+        return list(requests)
+    start = min(request.timestamp_s for request in requests)
+    return [
+        replace(request, timestamp_s=start + (request.timestamp_s - start) * factor)
+        for request in requests
+    ]
+
+
 def record_ttfts(result: SimulationResult, ttfts: list[float]) -> None:
     """Set ``result``'s TTFT percentiles from every admitted request's TTFT (sorts them)."""
     ttfts.sort()
@@ -214,6 +395,11 @@ class Replica:
     that computed it; the model's steps are whole prefills); ``prefill_ends`` maps the trace
     index of each request routed here to the end of its prefill, infinity while it is queued,
     until a router has seen it end.
+
+    The load (both modes; ``record_load`` reads it): ``prefill_busy_s`` sums the prefill
+    lane's time per request served, ``prefill_log`` holds (arrival, that time) for each, and
+    ``pinned_block_s`` integrates the pool's pinned blocks over time up to ``pinned_since``
+    (overlapping mode only; sequential mode pins nothing over time).
     """
 
     pool: BlockPool
@@ -228,6 +414,10 @@ class Replica:
     blocked_until: float = -math.inf
     load: int = 0
     prefill_tokens: int = 0  # uncached prompt tokens served, the compute spent
+    prefill_busy_s: float = 0.0  # the prefill lane's busy time: step + uncached prefill
+    pinned_block_s: float = 0.0  # the time integral of the pool's pinned blocks
+    prefill_log: list[tuple[float, float]] = field(default_factory=list)  # (arrival, prefill)
+    pinned_since: float = 0.0  # when the pinned count last changed (overlapping mode)
     ttfts: list[float] = field(default_factory=list)
     routed: bool = False
     published_at: dict[int, float] = field(default_factory=dict)
@@ -290,9 +480,10 @@ class Replica:
             pool.verify()
         uncached = request.input_length - hits * request.block_tokens
         self.prefill_tokens += uncached
-        prefill_end = (
-            request.timestamp_s + cost.step_seconds + uncached * cost.prefill_seconds_per_token
-        )
+        prefill_time = cost.step_seconds + uncached * cost.prefill_seconds_per_token
+        self.prefill_busy_s += prefill_time
+        self.prefill_log.append((request.timestamp_s, prefill_time))
+        prefill_end = request.timestamp_s + prefill_time
         if self.routed:
             self._publish(request, computed, prefill_end)
         return prefill_end + request.output_length * cost.decode_seconds_per_token
@@ -329,12 +520,13 @@ class Replica:
                     return  # the head waits for a completion after ``limit``
                 finish, _position, done = heapq.heappop(running)
                 now = max(now, finish)
-                self._release(done)
+                self._release(done, finish)
             self.now = now
             self._unqueue()
             self._admit(position, request)
         while running and running[0][0] <= limit:
-            self._release(heapq.heappop(running)[2])
+            finish, _position, done = heapq.heappop(running)
+            self._release(done, finish)
 
     def _unqueue(self) -> None:
         self.queue.popleft()
@@ -347,7 +539,14 @@ class Replica:
         tokens = request.input_length + request.output_length
         return not self.running or self.running_tokens + tokens <= self.cost.max_batch_tokens
 
-    def _release(self, done: TraceRequest) -> None:
+    def _pinned_until(self, moment: float) -> None:
+        """Add the pinned blocks' block-seconds from the last change up to ``moment``."""
+        if moment > self.pinned_since:
+            self.pinned_block_s += self.pool.num_pinned * (moment - self.pinned_since)
+            self.pinned_since = moment
+
+    def _release(self, done: TraceRequest, finish: float) -> None:
+        self._pinned_until(finish)
         self.pool.give_back(done.keys)
         self.running_tokens -= done.input_length + done.output_length
         self.load -= 1
@@ -355,12 +554,16 @@ class Replica:
     def _admit(self, position: int, request: TraceRequest) -> None:
         cost = self.cost
         computed = self._computing(request) if self.routed else []
+        self._pinned_until(self.now)
         hits = self.pool.take(request.keys, request.max_hit_blocks)
         count_served(self.result, request, hits)
         uncached = request.input_length - hits * request.block_tokens
         self.prefill_tokens += uncached
         prefill_start = max(self.now, self.prefill_free_at)
-        prefill_end = prefill_start + cost.step_seconds + uncached * cost.prefill_seconds_per_token
+        prefill_time = cost.step_seconds + uncached * cost.prefill_seconds_per_token
+        self.prefill_busy_s += prefill_time
+        self.prefill_log.append((request.timestamp_s, prefill_time))
+        prefill_end = prefill_start + prefill_time
         self.prefill_free_at = prefill_end
         if self.routed:
             self._publish(request, computed, prefill_end)
@@ -416,12 +619,18 @@ def _only_replica(request: TraceRequest) -> int:
 
 
 def simulate_sequential(
-    requests: Sequence[TraceRequest], policy: EvictionPolicy, *, verify: bool = False
+    requests: Sequence[TraceRequest],
+    policy: EvictionPolicy,
+    *,
+    verify: bool = False,
+    cost: CostModel | None = None,
 ) -> SimulationResult:
-    """The sequential mode; ``verify`` checks every invariant after each request."""
-    replica = Replica.of(policy, "sequential", CostModel(), verify)
+    """The sequential mode; ``verify`` checks every invariant after each request. ``cost``
+    only sets the prefill busy time (``utilisations``): hits do not depend on it."""
+    replica = Replica.of(policy, "sequential", cost or CostModel(), verify)
     started = time.perf_counter()
     replay_sequential(requests, [replica], _only_replica)
+    record_load(replica.result, [replica], requests)
     return _finish(replica.result, replica.pool, started)
 
 
@@ -437,6 +646,7 @@ def simulate_overlapping(
     started = time.perf_counter()
     replay_overlapping(requests, [replica], _only_replica)
     record_ttfts(replica.result, replica.ttfts)
+    record_load(replica.result, [replica], requests)
     return _finish(replica.result, replica.pool, started)
 
 
@@ -452,7 +662,7 @@ def simulate(
     """Replay ``requests`` with policy ``policy_name`` on a pool of ``capacity`` blocks."""
     policy = build_policy(policy_name, capacity, requests)
     if sequential:
-        return simulate_sequential(requests, policy, verify=verify)
+        return simulate_sequential(requests, policy, verify=verify, cost=cost)
     return simulate_overlapping(requests, policy, cost, verify=verify)
 
 
