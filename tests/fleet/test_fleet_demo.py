@@ -106,3 +106,43 @@ def test_an_unknown_routing_policy_exits_before_anything_starts(
     assert exit_info.value.code == 2
     assert "--routing: unknown policy 'nearest'; valid: round_robin" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--routing", "kv_aware", "--router-temperature", "-1"], "must be a number >= 0"),
+        (["--routing", "kv_aware", "--router-temperature", "nan"], "must be a number >= 0"),
+        (["--router-temperature", "5"], "--router-temperature needs --routing kv_aware"),
+    ],
+)
+def test_a_bad_router_temperature_exits_before_anything_starts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str], message: str
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        fleet_demo.parse_args(["--out", str(tmp_path / "o"), *args])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
+def test_the_prediction_follows_the_router_temperature(tmp_path: Path) -> None:
+    settings = fleet_demo.parse_args(
+        ["--out", str(tmp_path), "--routing", "kv_aware", "--router-temperature", "1e9"]
+    )
+    trace = tmp_path / "mixed.jsonl"
+    fleet_demo.write_generated(
+        trace,
+        fleet_demo.mixed_requests(settings.docqa, settings.conversation),
+        "bailian",
+        fleet_demo.BLOCK_TOKENS,
+    )
+    requests = load_trace(trace, block_tokens=fleet_demo.BLOCK_TOKENS)
+    capacity = settings.capacity_blocks
+    (least_cost,) = fleet_demo.predict(requests, ["kv_aware"], ["lru"], capacity)
+    (drawn,) = fleet_demo.predict(
+        requests, ["kv_aware"], ["lru"], capacity, temperature=settings.router_temperature
+    )
+    # At a temperature far above any cost difference the router draws replicas evenly at
+    # random, so it places requests unlike the least-cost rule.
+    assert drawn.shares != least_cost.shares or drawn.block_hits != least_cost.block_hits

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import subprocess
 import sys
 import time
@@ -122,6 +123,7 @@ class FleetDemoSettings:
     time_scale: float | None = None  # None: paced to the measured servers (arc_dev.pacing)
     port_base: int = PORT_BASE
     simulate_only: bool = False
+    router_temperature: float = 0.0  # kv_aware's --router-temperature, router and simulator
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,6 +198,13 @@ def parse_args(argv: Sequence[str] | None = None) -> FleetDemoSettings:
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of both generators")
     parser.add_argument(
+        "--router-temperature",
+        type=float,
+        default=0.0,
+        help="kv_aware only: the router's --router-temperature, and the simulator's (default 0: "
+        "the first replica of least cost)",
+    )
+    parser.add_argument(
         "--simulate-only",
         action="store_true",
         help="print the simulator's prediction only, start nothing",
@@ -224,6 +233,10 @@ def parse_args(argv: Sequence[str] | None = None) -> FleetDemoSettings:
         parser.error(f"--seed must be >= 0, got {args.seed}")
     if args.out.exists() and not args.out.is_dir():
         parser.error(f"--out {args.out} exists and is not a folder")
+    if not (math.isfinite(args.router_temperature) and args.router_temperature >= 0):
+        parser.error(f"--router-temperature must be a number >= 0, got {args.router_temperature}")
+    if args.router_temperature and routing != ("kv_aware",):
+        parser.error("--router-temperature needs --routing kv_aware (it is kv_aware's flag)")
     return FleetDemoSettings(
         out=args.out,
         routing=routing,
@@ -234,6 +247,7 @@ def parse_args(argv: Sequence[str] | None = None) -> FleetDemoSettings:
         time_scale=time_scale,
         port_base=args.port_base,
         simulate_only=args.simulate_only,
+        router_temperature=args.router_temperature,
     )
 
 
@@ -261,14 +275,16 @@ def predict(
     eviction: Sequence[str],
     capacity: int,
     cost: CostModel = COST,
+    temperature: float = 0.0,
 ) -> list[Figures]:
     """The simulator's fleet of ``REPLICAS`` replicas, overlapping mode, per pair."""
     predictions = []
     for router in routing:
         for policy in eviction:
             result, _ = simulate_fleet(
-                requests, policy, capacity, REPLICAS, router, sequential=False, cost=cost
-            )
+                requests, policy, capacity, REPLICAS, router, sequential=False, cost=cost,
+                temperature=temperature,
+            )  # fmt: skip
             predictions.append(
                 Figures(
                     router,
@@ -512,7 +528,7 @@ def pace_to_fleet(
     )
     scaled = [replace(r, timestamp_s=r.timestamp_s * chosen.time_scale) for r in requests]
     predictions = predict(scaled, settings.routing, settings.eviction, settings.capacity_blocks,
-                          cost)  # fmt: skip
+                          cost, settings.router_temperature)  # fmt: skip
     clock.step("simulator predictions at that pace done")
     return chosen, cost, predictions
 
@@ -541,7 +557,8 @@ def run_demo(settings: FleetDemoSettings) -> int:
     if settings.simulate_only:
         scaled = [replace(r, timestamp_s=r.timestamp_s * (settings.time_scale or 1.0))
                   for r in requests]  # fmt: skip
-        predictions = predict(scaled, settings.routing, settings.eviction, settings.capacity_blocks)
+        predictions = predict(scaled, settings.routing, settings.eviction, settings.capacity_blocks,
+                              temperature=settings.router_temperature)  # fmt: skip
         header = ["routing", "eviction", "sim hit", "sim TTFT p50 ms", "sim TTFT p90 ms",
                   "sim shares"]  # fmt: skip
         rows = [[p.routing, p.eviction, _rate(p.block_hit_rate), _ms(p.ttft_p50_s),
@@ -557,6 +574,11 @@ def run_demo(settings: FleetDemoSettings) -> int:
         eviction=settings.eviction[0],
         capacity_blocks=settings.capacity_blocks,
         port_base=settings.port_base,
+        router_args=(
+            ["--router-temperature", str(settings.router_temperature)]
+            if settings.router_temperature
+            else []
+        ),
     )
     runs: list[Figures] = []
     try:
