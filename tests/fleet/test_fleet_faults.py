@@ -219,11 +219,24 @@ def test_router_restart_fails_only_requests_that_met_it_down(
     )
 
 
+def cache_until_placed(fleet: Fleet, seed: int) -> tuple[list[int], list[dict[str, Any]]]:
+    """Cache fresh prefixes on server B until the router places one by its events; the last
+    prefix and every attempt. A router started moments ago (or restarted: its subscriptions
+    are new) gets only what is published after its ZMQ subscription takes effect, so a
+    prefix cached before that is unknown to it."""
+    deadline = time.monotonic() + COUNTER_TIMEOUT_S
+    attempts: list[dict[str, Any]] = []
+    while not attempts or attempts[-1]["lookup"]["hit"] != 1:
+        assert time.monotonic() < deadline, f"no freshly cached prefix was placed: {attempts}"
+        tokens = prime(fleet, B, seed=seed + len(attempts))
+        attempts.append(routed(fleet, variant(tokens, 1)))
+    assert attempts[-1] == {"server": B, "lookup": {"hit": 1, "miss": 0}}, attempts
+    return tokens, attempts
+
+
 def test_restarted_router_learns_placement_from_new_events_only(ready_fleet: Fleet) -> None:
     fleet = ready_fleet
-    before_restart = prime(fleet, B, seed=101)
-    first = routed(fleet, variant(before_restart, 1))
-    assert first == {"server": B, "lookup": {"hit": 1, "miss": 0}}, first
+    before_restart, _ = cache_until_placed(fleet, seed=101)
     # The publisher's replay buffer still holds the blocks (a router could rebuild from it).
     stored = {store.token_ids[: len(before_restart) - 1] for store in
               replayed_stores(fleet.servers[B].kv_replay_port)}  # fmt: skip
@@ -235,19 +248,7 @@ def test_restarted_router_learns_placement_from_new_events_only(ready_fleet: Fle
     # If this turns into a hit, the router learned to rebuild its view: update the Routing
     # section of docs/architecture.md.
     assert forgotten["lookup"] == {"hit": 0, "miss": 1}, forgotten
-
-    # The restarted router subscribes to the servers' event streams anew, and a ZMQ subscriber
-    # gets only what is published after its subscription takes effect: a prefix cached before
-    # that is unknown to it. So cache fresh prefixes until one is placed by its events.
-    deadline = time.monotonic() + COUNTER_TIMEOUT_S
-    attempts: list[dict[str, Any]] = []
-    while not attempts or attempts[-1]["lookup"]["hit"] != 1:
-        assert time.monotonic() < deadline, (
-            f"no prefix cached after the restart was placed: {attempts}"
-        )
-        after_restart = prime(fleet, B, seed=102 + len(attempts))
-        attempts.append(routed(fleet, variant(after_restart, 1)))
-    assert attempts[-1] == {"server": B, "lookup": {"hit": 1, "miss": 0}}, attempts
+    _, attempts = cache_until_placed(fleet, seed=201)
     print(f"router restart: prefix cached before it went to server {forgotten['server']} "
           f"(placement miss); one cached after it went to server {B} (hit, "
           f"{len(attempts)} prefix(es) cached until the router's subscription took)")  # fmt: skip

@@ -115,15 +115,20 @@ class AlertRecorder:
         return [a for a in self.seen if start <= a.at <= end]
 
     def wait_for(self, wanted: Mapping[str, str], since: float, timeout_s: float) -> None:
-        """Wait until each alert in ``wanted`` was seen in its state (or firing) after ``since``."""
-        self.prometheus.wait_until(
-            lambda: all(
-                {state, "firing"} & self.states(name, since, time.time())
-                for name, state in wanted.items()
-            ),
-            timeout_s,
-            f"alerts {dict(wanted)}",
-        )
+        """Wait until each alert in ``wanted`` was seen in its state (or firing) after ``since``;
+        the error says which states each one reached instead."""
+        try:
+            self.prometheus.wait_until(
+                lambda: all(
+                    {state, "firing"} & self.states(name, since, time.time())
+                    for name, state in wanted.items()
+                ),
+                timeout_s,
+                f"alerts {dict(wanted)}",
+            )
+        except PrometheusError as error:
+            reached = {name: sorted(self.states(name, since, time.time())) for name in wanted}
+            raise PrometheusError(f"{error}; states seen: {reached}") from None
 
 
 def complete(server: VllmServer, prompt: list[int], max_tokens: int) -> None:

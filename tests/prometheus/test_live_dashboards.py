@@ -32,6 +32,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -63,6 +64,7 @@ from tests.chart.chart_helpers import ALERTS_FILE
 from tests.faults.serving import BLOCK_TOKENS, docqa_trace
 from tests.prometheus.live_stack import (
     AlertRecorder,
+    complete,
     shared_prefix_prompts,
     shortened_rules,
     steady_load,
@@ -107,6 +109,9 @@ DOWN_ALERTS = {"ArcServingEngineDown": "firing"}
 PHASES = {"overload": OVERLOAD_ALERTS, "saturation": SATURATION_ALERTS, "down": DOWN_ALERTS}
 CHART_RULES = yaml.safe_load(ALERTS_FILE.read_text(encoding="utf-8"))["groups"]
 RULES = {rule["alert"]: rule for group in CHART_RULES for rule in group["rules"]}
+# The TTFT p99 above which ArcServingTTFTP99High fires, in seconds (its expression's bound).
+TTFT_ALERT_S = float(re.search(r">\s*([0-9.]+)\s*$", RULES["ArcServingTTFTP99High"]["expr"])[1])
+MAX_IN_FLIGHT = 128
 # The router's rules and dashboard need a router in front of several engines:
 # tests/prometheus/test_live_routing.py causes and evaluates them on a local fleet.
 ROUTING_GROUP, ROUTING_DASHBOARD = "arc-serving.routing", "routing.json"
@@ -160,6 +165,17 @@ def switch(server: VllmServer, path: Path, policy: str) -> float:
         assert time.monotonic() < deadline, f"the engine did not switch to {policy}"
         time.sleep(0.1)
     return written
+
+
+def overload_in_flight(server: VllmServer, prompts: Iterator[list[int]]) -> int:
+    """How many overload requests to keep in flight so that queueing alone puts their time to
+    first token at three times the TTFT alert's threshold, however fast this machine: the
+    cache holds one overload prompt at a time, so each waits for every one ahead of it. One
+    request is timed alone first."""
+    started = time.monotonic()
+    complete(server, next(prompts), OVERLOAD_OUTPUT)
+    alone = time.monotonic() - started
+    return min(MAX_IN_FLIGHT, max(OVERLOAD_IN_FLIGHT, math.ceil(3 * TTFT_ALERT_S / alone) + 1))
 
 
 @pytest.fixture(scope="module")
@@ -233,7 +249,8 @@ def scenario(
         # 2. overload: queueing, slow first tokens, no cache hits
         overload_start = time.time()
         prompts = unique_prompts(OVERLOAD_PROMPT_TOKENS, seed=1)
-        with steady_load(server, prompts, OVERLOAD_OUTPUT, OVERLOAD_IN_FLIGHT) as errors:
+        in_flight = overload_in_flight(server, prompts)
+        with steady_load(server, prompts, OVERLOAD_OUTPUT, in_flight) as errors:
             recorder.wait_for(OVERLOAD_ALERTS, overload_start, ALERT_TIMEOUT_S)
         load_errors += errors
         overload = (overload_start, time.time())
