@@ -20,6 +20,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from arc_harness.vllm_server import free_port
 from arc_operator import __main__ as entry
 from arc_operator.kube import ApiError
 from arc_operator.leadership import (
@@ -502,12 +503,6 @@ class FakeKopf:
         await asyncio.wait({stopped, finished}, return_when=asyncio.FIRST_COMPLETED)
         stopped.cancel()
         finished.cancel()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 async def eventually(what: str, check: Callable[[], Awaitable[bool]], timeout: float = 10) -> None:
