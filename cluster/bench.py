@@ -46,7 +46,6 @@ import os
 import random
 import secrets
 import signal
-import socket
 import ssl
 import subprocess
 import sys
@@ -63,6 +62,7 @@ from urllib.parse import urlencode, urlsplit
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from arc_harness.vllm_server import free_port
 from arc_operator import manifests as mf
 from arc_operator.manifests.common import PORT
 from cluster.local import REPO, LocalCluster, node_manifest
@@ -512,12 +512,6 @@ def converge(
 
 
 # --- set-up -------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def bench_nodes(pods: int) -> list[dict[str, Any]]:

@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 import pytest
 import yaml
 
+from arc_harness.vllm_server import free_port
 from cluster.local import BIN_DIR, LocalCluster
 
 REPO = Path(__file__).resolve().parents[2]
@@ -214,12 +215,6 @@ class HostOperator:
 def lease_identity(operator: HostOperator) -> str:
     """The operator's holderIdentity on its Lease (arc_operator.leadership, outside a pod)."""
     return f"{socket.gethostname()}_{operator.process.pid}"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def launch_operator(
