@@ -4,6 +4,9 @@ The real-server steps (switch, reset, replay) are in ``test_demo_server.py``."""
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -234,3 +237,26 @@ def test_snapshot_draws_the_main_dashboards_panels(tmp_path: Path) -> None:
     path = snapshot.draw(panels, [1030.0], 1000.0, 1120.0, "title", tmp_path / "d.png")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert path.stat().st_size > 50_000
+
+
+def test_sigterm_unwinds_the_demo_so_its_servers_are_stopped(tmp_path: Path) -> None:
+    """A demo's servers run in process groups of their own: only the demo's own clean-up
+    stops them, so SIGTERM must unwind it as Ctrl-C does."""
+    stopped = tmp_path / "stopped"
+    script = (
+        "import sys, time\n"
+        "from arc_dev.demo import stop_on_sigterm\n"
+        "stop_on_sigterm()\n"
+        "try:\n"
+        "    print('serving', flush=True)\n"
+        "    time.sleep(120)\n"
+        "finally:\n"
+        f"    open({str(stopped)!r}, 'w').write('stopped')\n"
+    )
+    with subprocess.Popen(
+        [sys.executable, "-c", script], stdout=subprocess.PIPE, text=True
+    ) as child:
+        assert child.stdout is not None and child.stdout.readline() == "serving\n"
+        child.send_signal(signal.SIGTERM)
+        assert child.wait(timeout=30) == 128 + signal.SIGTERM
+    assert stopped.read_text() == "stopped"

@@ -50,10 +50,12 @@ def test_timing_the_server_runs_real_uncached_and_cached_prompts(
     blocks = 12
     calibration = measure_cost(session.complete, blocks * demo.BLOCK_TOKENS, rounds=3)
     after = session.counters()
-    # 3 prompts, each sent uncached, then cached, then cached with more output tokens.
-    assert after.requests_finished - before.requests_finished == 9
-    # vLLM computes a prompt's last token, so a cached 12-block prompt hits 11 blocks.
-    assert after.block_hits - before.block_hits == 2 * 3 * (blocks - 1)
+    # 3 warm-up prompts and 3 timed ones, each sent uncached, then cached, then cached with
+    # more output tokens.
+    assert after.requests_finished - before.requests_finished == 2 * 9
+    # vLLM computes a prompt's last token, so a cached 12-block prompt hits 11 blocks; the
+    # timed prompts share no block with the warm-up's, so they were timed uncached first.
+    assert after.block_hits - before.block_hits == 2 * 2 * 3 * (blocks - 1)
     cost = calibration.cost_model()  # valid whatever the timings (CostModel checks its fields)
     assert min(calibration.miss_s, calibration.hit_s, cost.step_seconds) > 0
     assert cost.prefill_seconds_per_token > 0 and cost.decode_seconds_per_token > 0

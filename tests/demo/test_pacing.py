@@ -11,6 +11,7 @@ from arc_dev.pacing import (
     TARGET_UTILIZATION,
     Calibration,
     ProgressReporter,
+    measure_cost,
     pace,
     parse_time_scale,
     service_seconds,
@@ -109,6 +110,46 @@ def test_calibration_turns_timings_into_a_cost_model() -> None:
     assert cost.step_seconds == 0.05
     assert cost.decode_seconds_per_token == 0.01
     assert "1000-token prompt uncached 250 ms, cached 50 ms" in calibration.describe()
+
+
+class ColdStartServer:
+    """A server on a simulated clock whose first request costs a one-time set-up, as a fresh
+    vLLM CPU server's does: uncached prompts cost ``miss_s``, cached ones ``hit_s``, each
+    output token after the first ``decode_s``."""
+
+    SETUP_S, MISS_S, HIT_S, DECODE_S = 1.0, 0.1, 0.01, 0.001
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.cached: set[tuple[int, ...]] = set()
+        self.calls: list[tuple[tuple[int, ...], int]] = []
+
+    def clock(self) -> float:
+        return self.now
+
+    def complete(self, prompt: list[int], max_tokens: int) -> None:
+        key = tuple(prompt)
+        self.now += self.SETUP_S if not self.calls else 0.0
+        self.now += self.HIT_S if key in self.cached else self.MISS_S
+        self.now += (max_tokens - 1) * self.DECODE_S
+        self.cached.add(key)
+        self.calls.append((key, max_tokens))
+
+
+def test_the_server_is_warmed_up_before_it_is_timed(monkeypatch: pytest.MonkeyPatch) -> None:
+    server = ColdStartServer()
+    monkeypatch.setattr("arc_dev.pacing.time.perf_counter", server.clock)
+    calibration = measure_cost(server.complete, 64, rounds=3)
+    # The one-time set-up is paid by the warm-up, not read as the cost of a prompt.
+    assert calibration.miss_s == pytest.approx(server.MISS_S)
+    assert calibration.hit_s == pytest.approx(server.HIT_S)
+    assert calibration.decode_s == pytest.approx(server.DECODE_S)
+    warm, timed = server.calls[:9], server.calls[9:]
+    assert len(timed) == 9
+    assert not {prompt for prompt, _ in warm} & {prompt for prompt, _ in timed}
+    assert {prompt[0] for prompt, _ in server.calls[:3] + server.calls[9:12]} == {
+        prompt[0] for prompt in server.cached
+    }, "every prompt starts with its own token, so none hits another's first block"
 
 
 def test_progress_lines_count_answers_and_say_what_is_left() -> None:

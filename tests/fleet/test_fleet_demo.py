@@ -14,7 +14,10 @@ from typing import Any
 import pytest
 
 from arc_dev import fleet_demo
+from arc_harness.fleet import server_url
+from arc_serving_common.names import KV_AWARE_ROUTER_TEMPERATURE
 from arc_serving_common.traces import load_trace
+from arc_simulator.routing import ConsistentHashRouter
 
 pytestmark = [pytest.mark.vllm, pytest.mark.locust, pytest.mark.slow]
 
@@ -43,8 +46,8 @@ def test_the_replay_is_paced_to_the_measured_replicas(
     _, report = demo_run
     settings = report["settings"]
     assert settings["time_scale"] > 0
-    # Half the replicas' measured capacity if nothing hit (arc_dev.pacing).
-    assert settings["utilization_per_replica"] == pytest.approx(0.5)
+    # A quarter of the replicas' measured capacity if nothing hit (arc_dev.pacing).
+    assert settings["utilization_per_replica"] == pytest.approx(fleet_demo.UTILIZATION)
     assert settings["cost_model"]["prefill_seconds_per_token"] > 0
 
 
@@ -71,6 +74,25 @@ def test_every_run_answers_the_whole_trace_on_two_replicas(
         assert sum(figures["shares"]) == pytest.approx(1.0)
         assert 0 <= figures["block_hits"] <= figures["block_queries"]
         assert 0.0 <= figures["block_hit_rate"] <= 1.0
+
+
+def test_every_run_reports_how_busy_the_replicas_were(
+    demo_run: tuple[Path, dict[str, Any]],
+) -> None:
+    _, report = demo_run
+    assert all(run["in_flight"] > 0 for run in report["runs"]), report["runs"]
+    assert all(prediction["in_flight"] is None for prediction in report["predictions"])
+
+
+def test_in_flight_is_the_requests_time_over_the_span_per_replica(tmp_path: Path) -> None:
+    rows = [
+        {"ok": True, "sent_s": 0.0, "e2e_s": 2.0},
+        {"ok": True, "sent_s": 1.0, "e2e_s": 3.0},  # the span is 0 s to 4 s
+        {"ok": False, "sent_s": 9.0, "e2e_s": None},
+    ]
+    results = tmp_path / "results.jsonl"
+    results.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    assert fleet_demo.mean_in_flight(results, replicas=2) == pytest.approx(5.0 / 4.0 / 2)
 
 
 def test_round_robin_alternates_the_replicas(demo_run: tuple[Path, dict[str, Any]]) -> None:
@@ -146,3 +168,79 @@ def test_the_prediction_follows_the_router_temperature(tmp_path: Path) -> None:
     # At a temperature far above any cost difference the router draws replicas evenly at
     # random, so it places requests unlike the least-cost rule.
     assert drawn.shares != least_cost.shares or drawn.block_hits != least_cost.block_hits
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--routing", "cache_aware", "--cache-threshold", "1.5"], "--cache-threshold must be"),
+        (["--routing", "cache_aware", "--balance-abs-threshold", "-1"], "must be >= 0"),
+        (["--routing", "cache_aware", "--balance-rel-threshold", "0.5"], "must be a number >= 1"),
+        (["--balance-abs-threshold", "4"], "thresholds need --routing cache_aware"),
+    ],
+)
+def test_bad_cache_aware_thresholds_exit_before_anything_starts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str], message: str
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        fleet_demo.parse_args(["--out", str(tmp_path / "o"), *args])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
+def test_cache_aware_thresholds_reach_the_router_and_the_prediction(tmp_path: Path) -> None:
+    settings = fleet_demo.parse_args(
+        [
+            "--out",
+            str(tmp_path),
+            "--routing",
+            "cache_aware",
+            "--balance-abs-threshold",
+            "0",
+            "--balance-rel-threshold",
+            "1",
+        ]
+    )
+    assert fleet_demo.router_args(settings) == [
+        "--cache-threshold", "0.3", "--balance-abs-threshold", "0", "--balance-rel-threshold",
+        "1.0",
+    ]  # fmt: skip
+    trace = tmp_path / "mixed.jsonl"
+    fleet_demo.write_generated(
+        trace,
+        fleet_demo.mixed_requests(settings.docqa, settings.conversation),
+        "bailian",
+        fleet_demo.BLOCK_TOKENS,
+    )
+    requests = load_trace(trace, block_tokens=fleet_demo.BLOCK_TOKENS)
+    capacity = settings.capacity_blocks
+    (defaults,) = fleet_demo.predict(requests, ["cache_aware"], ["lru"], capacity)
+    (balanced,) = fleet_demo.predict(
+        requests, ["cache_aware"], ["lru"], capacity, cache_aware=settings.cache_aware
+    )
+    # Balancing whenever loads differ at all spreads requests the prefix tree would pile up.
+    assert max(balanced.shares) < max(defaults.shares)
+
+
+def test_the_simulator_places_every_session_where_the_router_did(
+    demo_run: tuple[Path, dict[str, Any]],
+) -> None:
+    out, _ = demo_run
+    decisions = HASH_DECISION.findall((out / "fleet" / "router.log").read_text(errors="replace"))
+    urls = [server_url(PORT_BASE, index) for index in range(fleet_demo.REPLICAS)]
+    ring = ConsistentHashRouter(fleet_demo.REPLICAS, worker_urls=urls)
+    # Every key the router hashed, the load test's sessions and its own scrapes alike.
+    placed = {key: worker for key, worker in decisions}
+    assert len(placed) > 4
+    assert {key: urls[ring.worker_for_key(key)] for key in placed} == placed
+
+
+def test_kv_aware_runs_at_the_operators_temperature_unless_told(tmp_path: Path) -> None:
+    default = fleet_demo.parse_args(["--out", str(tmp_path)])
+    assert default.router_temperature == KV_AWARE_ROUTER_TEMPERATURE
+    assert fleet_demo.router_args(default) == ["--router-temperature", "1.0"]
+    least_cost = fleet_demo.parse_args(
+        ["--out", str(tmp_path), "--routing", "kv_aware", "--router-temperature", "0"]
+    )
+    assert fleet_demo.router_args(least_cost) == ["--router-temperature", "0.0"]

@@ -110,6 +110,22 @@ def test_routing_policies_are_the_routers_choices() -> None:
         ),
         ({"routing": {"args": ["--prefill", "http://p"]}}, "may not set --prefill (another"),
         ({"routing": {"args": ["--enable-igw"]}}, "routing.args may not set --enable-igw"),
+        (
+            {"routing": {"args": ["--router-temperature", "-1"]}},
+            "routing.args: --router-temperature must be a number >= 0, got '-1'",
+        ),
+        (
+            {"routing": {"args": ["--router-temperature=warm"]}},
+            "routing.args: --router-temperature must be a number >= 0, got 'warm'",
+        ),
+        (
+            {"routing": {"args": ["--router-temp", "nan"]}},
+            "routing.args: --router-temperature must be a number >= 0, got 'nan'",
+        ),
+        (
+            {"routing": {"args": ["--router-temperature"]}},
+            "routing.args: --router-temperature must be a number >= 0, got ''",
+        ),
         # kv_aware, named or by default with two replicas.
         (
             {"replicas": 2, "engineArgs": ["--kv-events-config", "{}"]},
@@ -270,6 +286,8 @@ def test_kv_aware_router_args_parse_as_static_workers_with_their_event_sockets()
     ]
     # The router hashes prompts as the pods do: their block size, their served model name.
     assert (args.kv_event_block_size, args.kv_event_model) == (32, "qwen")
+    # Equal costs are drawn at random rather than all sent to the first registered worker.
+    assert args.router_temperature == 1.0
     assert not args.service_discovery
     # Kubernetes expands $(VLLM_API_KEY) from the env, which comes from the Secret; the router
     # must read any key as the value, also one that starts with "-".
@@ -443,3 +461,19 @@ def test_without_routing_clients_and_scrapers_reach_the_serving_api() -> None:
         if c["kind"] == "NetworkPolicy"
     ]
     assert ingress(serving) == [([8000], [*PEERS, *MONITORING])]
+
+
+@pytest.mark.parametrize(
+    "given", [["--router-temperature", "0"], ["--router-temperature=25.5"], ["--router-temp", "3"]]
+)
+def test_a_router_temperature_in_routing_args_replaces_the_default(given: list[str]) -> None:
+    args = router_container(routed("kv_aware", routing={"args": given}))["args"]
+    assert args[-len(given) :] == given
+    assert parse_router_args(args).router_temperature == float(given[-1].split("=")[-1])
+    assert not [arg for arg in args[: -len(given)] if arg.startswith("--router-temp")]
+
+
+def test_only_kv_aware_gets_a_default_router_temperature() -> None:
+    for policy in DISCOVERY:
+        args = router_container(routed(policy))["args"]
+        assert "--router-temperature" not in args, policy

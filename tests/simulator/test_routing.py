@@ -17,7 +17,9 @@ from arc_serving_common.traces import TraceRequest, load_trace
 from arc_simulator import MOONCAKE_SAMPLE
 from arc_simulator.cli import main
 from arc_simulator.fleet import _View, simulate_fleet
+from arc_simulator.ring_hash import fbi_hash, furc_hash, murmur_hash_64a
 from arc_simulator.routing import (
+    SESSION_HEADER_KEY,
     CacheAwareConfig,
     CacheAwareRouter,
     ConsistentHashRouter,
@@ -439,3 +441,60 @@ def test_the_routed_bench_compares_eight_replicas_with_one() -> None:
     assert [row["replicas"] for row in rows] == [1, 8]
     assert rows[0]["speed_vs_one"] == 1.0 and rows[1]["speed_vs_one"] > 0
     assert rows[1]["request_imbalance"] >= 1.0
+
+
+def test_the_ring_hash_is_a_64_bit_murmur_over_a_furc_bucket() -> None:
+    # MurmurHash64A's tail handling: a key of 9 bytes is one word plus a one-byte tail,
+    # and the tail's bytes are little-endian (changing the last byte changes the hash).
+    assert murmur_hash_64a(b"abcdefgh1") != murmur_hash_64a(b"abcdefgh2")
+    assert 0 <= murmur_hash_64a(b"") < 2**64
+    buckets = [furc_hash(f"session-{n}".encode(), 5) for n in range(2_000)]
+    assert set(buckets) == set(range(5))  # every bucket used, none outside
+    assert furc_hash(b"anything", 1) == 0
+    # A bucket number, not the key, is what the ring position hashes: equal buckets, equal
+    # positions.
+    a, b = "header:x-session-id:chat:1", "header:x-session-id:chat:2"
+    assert (fbi_hash(a) == fbi_hash(b)) == (
+        furc_hash(a.encode(), 2**23 - 1) == furc_hash(b.encode(), 2**23 - 1)
+    )
+
+
+def test_consistent_hash_places_its_ring_by_the_worker_urls() -> None:
+    urls = ["http://10.0.0.1:8000", "http://10.0.0.2:8000"]
+    one, same, other = (
+        ConsistentHashRouter(2, worker_urls=urls),
+        ConsistentHashRouter(2, worker_urls=list(urls)),
+        ConsistentHashRouter(2, worker_urls=urls[::-1]),
+    )
+    keys = [f"{SESSION_HEADER_KEY}chat:{n}" for n in range(400)]
+    placed = [one.worker_for_key(key) for key in keys]
+    assert placed == [same.worker_for_key(key) for key in keys]
+    # The same URLs in the other order swap the replicas' names, not the placement.
+    assert [1 - other.worker_for_key(key) for key in keys] == placed
+    assert 0.35 < placed.count(0) / len(keys) < 0.65
+    with pytest.raises(RoutingError, match="3 worker URLs given for 2 replicas"):
+        ConsistentHashRouter(2, worker_urls=[*urls, "http://10.0.0.3:8000"])
+
+
+@pytest.mark.parametrize(
+    ("fields", "flag"),
+    [
+        ({"cache_threshold": 1.5}, "--cache-threshold"),
+        ({"balance_abs_threshold": -1}, "--balance-abs-threshold"),
+        ({"balance_rel_threshold": 0.9}, "--balance-rel-threshold"),
+        ({"balance_rel_threshold": math.nan}, "--balance-rel-threshold"),
+    ],
+)
+def test_bad_cache_aware_thresholds_are_refused_naming_the_flag(fields, flag) -> None:
+    with pytest.raises(RoutingError, match=flag):
+        CacheAwareConfig(**fields)
+
+
+def test_cache_aware_thresholds_reach_the_router() -> None:
+    config = CacheAwareConfig(balance_abs_threshold=0, balance_rel_threshold=1.0)
+    router = make_router("cache_aware", 2, cache_aware=config)
+    assert isinstance(router, CacheAwareRouter) and router.config is config
+    view = NoCacheView([0, 0])
+    assert router.route(_request([1, 2, 3, 4]), view) == 0
+    view.loads = [1, 0]  # any difference is an imbalance now: least load wins over the tree
+    assert router.route(_request([1, 2, 3, 4]), view) == 1

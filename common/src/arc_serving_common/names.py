@@ -33,6 +33,9 @@ POLL_MS_ENV = "ARC_EVICTOR_POLL_MS"
 API_KEY_ENV = "VLLM_API_KEY"
 # The policy file's one key: the file is ``{"policy": NAME}``, nothing else.
 POLICY_FILE_KEY = "policy"
+# The vLLM router's kv_aware temperature a fleet runs with unless told otherwise: the operator
+# passes it to the router, and the fleet demo and its prediction use it (docs/routing.md).
+KV_AWARE_ROUTER_TEMPERATURE = 1.0
 
 
 def policy_file_text(policy: str) -> str:

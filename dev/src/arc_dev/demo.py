@@ -41,6 +41,7 @@ import contextlib
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -856,8 +857,20 @@ def run_demo(settings: DemoSettings) -> int:
     return 0
 
 
+def stop_on_sigterm() -> None:
+    """Make SIGTERM unwind like Ctrl-C, so the servers a demo started are stopped with it
+    (they run in process groups of their own, which a signal to the demo does not reach)."""
+
+    def exit_on(signum: int, frame: object) -> None:
+        sys.exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, exit_on)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    return run_demo(parse_args(argv))
+    settings = parse_args(argv)
+    stop_on_sigterm()
+    return run_demo(settings)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,8 @@ Steps (each printed with its wall time):
 4. Print one table (measured next to predicted) and write it as ``fleet.md`` and
    ``fleet.json`` under ``--out``: the summed block hit rate (the plugin's block counters over
    both replicas), TTFT p50/p90 (Locust), each replica's share of requests (vLLM's request
-   counter) and the simulator's figures.
+   counter; the table lists the shares largest first, the JSON in server order) and the
+   simulator's figures.
 
 Invariant: a run is only reported when every request of the trace was answered; otherwise
 the demo stops with exit status 1 naming the run and why. Bad arguments exit with status 2
@@ -35,10 +36,11 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
-from arc_dev.demo import StepClock
+from arc_dev.demo import StepClock, stop_on_sigterm
 from arc_dev.pacing import (
     TIME_SCALE_HELP,
     Pace,
@@ -46,6 +48,7 @@ from arc_dev.pacing import (
     measure_cost,
     pace,
     parse_time_scale,
+    warm_up,
 )
 from arc_evictor.policies import policy_names
 from arc_harness.fleet import (
@@ -55,7 +58,9 @@ from arc_harness.fleet import (
     Fleet,
     FleetError,
     ReplicaStats,
+    server_url,
 )
+from arc_serving_common.names import KV_AWARE_ROUTER_TEMPERATURE
 from arc_serving_common.traces import TraceRequest, load_trace
 from arc_simulator.fleet import simulate_fleet
 from arc_simulator.generate import (
@@ -66,6 +71,7 @@ from arc_simulator.generate import (
     docqa,
     write_generated,
 )
+from arc_simulator.routing import CacheAwareConfig, RoutingError
 from arc_simulator.simulate import CostModel
 
 REPLICAS = 2
@@ -104,6 +110,11 @@ COST = CostModel(
     prefill_seconds_per_token=0.22e-3, decode_seconds_per_token=0.008, step_seconds=0.02
 )
 PORT_BASE = 27400
+# Offered work per replica as a share of what one replica alone serves, if nothing hit.
+# Replicas on one machine share its memory bandwidth, and the router, Locust and vLLM's own
+# API processes share its cores: at 0.5 two local replicas held about two requests in
+# flight each and queued (TTFT p90 0.7 to 1.5 s); at 0.25 queues stay short.
+UTILIZATION = 0.25
 
 
 class FleetDemoError(RuntimeError):
@@ -123,7 +134,9 @@ class FleetDemoSettings:
     time_scale: float | None = None  # None: paced to the measured servers (arc_dev.pacing)
     port_base: int = PORT_BASE
     simulate_only: bool = False
-    router_temperature: float = 0.0  # kv_aware's --router-temperature, router and simulator
+    # kv_aware's --router-temperature, router and simulator: the operator's by default.
+    router_temperature: float = KV_AWARE_ROUTER_TEMPERATURE
+    cache_aware: CacheAwareConfig | None = None  # cache_aware's thresholds, router and simulator
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,6 +144,8 @@ class Figures:
     """One routing x eviction pair's figures, measured or predicted.
 
     ``shares``: each replica's share of the requests, in replica order (sums to 1).
+    ``in_flight``: the requests' summed time from sending to the last token over the replay's
+    span, per replica (Little's law: how busy the replicas really were).
     """
 
     routing: str
@@ -142,6 +157,7 @@ class Figures:
     ttft_p90_s: float | None
     shares: tuple[float, ...]
     seconds: float = 0.0
+    in_flight: float | None = None  # measured runs: mean requests in flight per replica
 
     @property
     def block_hit_rate(self) -> float | None:
@@ -200,10 +216,23 @@ def parse_args(argv: Sequence[str] | None = None) -> FleetDemoSettings:
     parser.add_argument(
         "--router-temperature",
         type=float,
-        default=0.0,
-        help="kv_aware only: the router's --router-temperature, and the simulator's (default 0: "
-        "the first replica of least cost)",
+        default=None,
+        help="kv_aware only: the router's --router-temperature, and the simulator's (default "
+        f"{KV_AWARE_ROUTER_TEMPERATURE:g}, the operator's: the least cost, equal costs drawn at "
+        "random; 0: the first replica of least cost)",
     )
+    defaults = CacheAwareConfig()
+    for flag, kind, default in (
+        ("--cache-threshold", float, defaults.cache_threshold),
+        ("--balance-abs-threshold", int, defaults.balance_abs_threshold),
+        ("--balance-rel-threshold", float, defaults.balance_rel_threshold),
+    ):
+        parser.add_argument(
+            flag,
+            type=kind,
+            default=None,
+            help=f"cache_aware only: the router's {flag}, and the simulator's (default {default})",
+        )
     parser.add_argument(
         "--simulate-only",
         action="store_true",
@@ -233,10 +262,30 @@ def parse_args(argv: Sequence[str] | None = None) -> FleetDemoSettings:
         parser.error(f"--seed must be >= 0, got {args.seed}")
     if args.out.exists() and not args.out.is_dir():
         parser.error(f"--out {args.out} exists and is not a folder")
-    if not (math.isfinite(args.router_temperature) and args.router_temperature >= 0):
-        parser.error(f"--router-temperature must be a number >= 0, got {args.router_temperature}")
-    if args.router_temperature and routing != ("kv_aware",):
+    temperature = (
+        KV_AWARE_ROUTER_TEMPERATURE if args.router_temperature is None else args.router_temperature
+    )
+    if not (math.isfinite(temperature) and temperature >= 0):
+        parser.error(f"--router-temperature must be a number >= 0, got {temperature}")
+    if args.router_temperature is not None and routing != ("kv_aware",):
         parser.error("--router-temperature needs --routing kv_aware (it is kv_aware's flag)")
+    thresholds = {
+        field: value
+        for field, value in (
+            ("cache_threshold", args.cache_threshold),
+            ("balance_abs_threshold", args.balance_abs_threshold),
+            ("balance_rel_threshold", args.balance_rel_threshold),
+        )
+        if value is not None
+    }
+    cache_aware = None
+    if thresholds:
+        if routing != ("cache_aware",):
+            parser.error("the balance and cache thresholds need --routing cache_aware")
+        try:
+            cache_aware = CacheAwareConfig(**thresholds)
+        except RoutingError as exc:
+            parser.error(str(exc))
     return FleetDemoSettings(
         out=args.out,
         routing=routing,
@@ -247,7 +296,8 @@ def parse_args(argv: Sequence[str] | None = None) -> FleetDemoSettings:
         time_scale=time_scale,
         port_base=args.port_base,
         simulate_only=args.simulate_only,
-        router_temperature=args.router_temperature,
+        router_temperature=temperature,
+        cache_aware=cache_aware,
     )
 
 
@@ -276,14 +326,18 @@ def predict(
     capacity: int,
     cost: CostModel = COST,
     temperature: float = 0.0,
+    cache_aware: CacheAwareConfig | None = None,
+    port_base: int = PORT_BASE,
 ) -> list[Figures]:
-    """The simulator's fleet of ``REPLICAS`` replicas, overlapping mode, per pair."""
+    """The simulator's fleet of ``REPLICAS`` replicas, overlapping mode, per pair; the
+    fleet's server URLs on ``port_base`` place ``consistent_hash``'s ring as the router's."""
+    worker_urls = [server_url(port_base, index) for index in range(REPLICAS)]
     predictions = []
     for router in routing:
         for policy in eviction:
             result, _ = simulate_fleet(
                 requests, policy, capacity, REPLICAS, router, sequential=False, cost=cost,
-                temperature=temperature,
+                temperature=temperature, cache_aware=cache_aware, worker_urls=worker_urls,
             )  # fmt: skip
             predictions.append(
                 Figures(
@@ -310,7 +364,9 @@ def _ms(value: float | None) -> str:
 
 
 def _shares(shares: Sequence[float]) -> str:
-    return "/".join(f"{share:.2f}" for share in shares)
+    # Largest first: which server the router registers first changes from one start of it
+    # to the next, and its ties go to that one (the model's are replica 0's).
+    return "/".join(f"{share:.2f}" for share in sorted(shares, reverse=True))
 
 
 HEADER = [
@@ -324,6 +380,7 @@ HEADER = [
     "sim TTFT p50 ms",
     "shares",
     "sim shares",
+    "in flight",
 ]
 
 
@@ -345,6 +402,7 @@ def table_rows(runs: Sequence[Figures], predictions: Sequence[Figures]) -> list[
                 _ms(sim.ttft_p50_s if sim else None),
                 _shares(run.shares),
                 _shares(sim.shares) if sim else "-",
+                "-" if run.in_flight is None else f"{run.in_flight:.2f}",
             ]
         )
     return rows
@@ -468,7 +526,20 @@ def replay_pair(
         ttft_p90_s=summary["ttft_s"]["p90"],
         shares=tuple(count / total for count in served),
         seconds=seconds,
+        in_flight=mean_in_flight(run_dir / "results.jsonl", len(fleet.servers)),
     )
+
+
+def mean_in_flight(results: Path, replicas: int) -> float | None:
+    """Mean requests in flight per replica over a replay, from its per-request rows."""
+    rows = [json.loads(line) for line in results.read_text().splitlines() if line.strip()]
+    answered = [row for row in rows if row["ok"]]
+    if not answered:
+        return None
+    start = min(row["sent_s"] for row in answered)
+    end = max(row["sent_s"] + row["e2e_s"] for row in answered)
+    busy = sum(row["e2e_s"] for row in answered)
+    return busy / (end - start) / replicas if end > start else None
 
 
 def write_reports(
@@ -489,6 +560,7 @@ def write_reports(
             "eviction": list(settings.eviction),
             "replicas": REPLICAS,
             "capacity_blocks_per_replica": settings.capacity_blocks,
+            "router_args": router_args(settings),
             "docqa": asdict(settings.docqa),
             "conversation": asdict(settings.conversation),
             "time_scale": replay_pace.time_scale,
@@ -507,20 +579,27 @@ def write_reports(
 def pace_to_fleet(
     fleet: Fleet, requests: Sequence[TraceRequest], settings: FleetDemoSettings, clock: StepClock
 ) -> tuple[Pace, CostModel, list[Figures]]:
-    """Time the first replica, choose the replay's speed, and predict at that speed.
+    """Warm every replica up, time the first, choose the replay's speed, and predict at that
+    speed.
 
     The pace assumes no hit at all (round robin on this trace gets few), so no routing's run
     overloads the replicas; ``--time-scale`` overrides the speed only.
     """
-    mean_prompt = sum(r.input_length for r in requests) // len(requests)
-    server = fleet.servers[0]
-    calibration = measure_cost(
-        lambda prompt, tokens: fleet.complete(prompt, tokens, url=server.url),
-        max(mean_prompt, 2 * BLOCK_TOKENS),
-    )
+    prompt_tokens = max(sum(r.input_length for r in requests) // len(requests), 2 * BLOCK_TOKENS)
+    first, *others = fleet.servers
+    for server in others:  # measure_cost warms the first up itself
+        warm_up(partial(fleet.complete, url=server.url), prompt_tokens)
+    calibration = measure_cost(partial(fleet.complete, url=first.url), prompt_tokens)
     cost = calibration.cost_model()
     fleet.reset_caches()
-    chosen = pace(requests, cost, 0.0, servers=REPLICAS, time_scale=settings.time_scale)
+    chosen = pace(
+        requests,
+        cost,
+        0.0,
+        servers=REPLICAS,
+        utilization=UTILIZATION,
+        time_scale=settings.time_scale,
+    )
     clock.step(
         f"replica timed: {calibration.describe()}; replay at time scale "
         f"{chosen.time_scale:.2f} ({chosen.duration_s:.0f} s, each replica busy about "
@@ -528,9 +607,20 @@ def pace_to_fleet(
     )
     scaled = [replace(r, timestamp_s=r.timestamp_s * chosen.time_scale) for r in requests]
     predictions = predict(scaled, settings.routing, settings.eviction, settings.capacity_blocks,
-                          cost, settings.router_temperature)  # fmt: skip
+                          cost, settings.router_temperature, settings.cache_aware,
+                          settings.port_base)  # fmt: skip
     clock.step("simulator predictions at that pace done")
     return chosen, cost, predictions
+
+
+def router_args(settings: FleetDemoSettings) -> list[str]:
+    """The router flags beyond the fleet's own: those the simulator is given too."""
+    args = []
+    if "kv_aware" in settings.routing:
+        args += ["--router-temperature", str(settings.router_temperature)]
+    if settings.cache_aware:
+        args += settings.cache_aware.router_args()
+    return args
 
 
 def run_demo(settings: FleetDemoSettings) -> int:
@@ -558,7 +648,9 @@ def run_demo(settings: FleetDemoSettings) -> int:
         scaled = [replace(r, timestamp_s=r.timestamp_s * (settings.time_scale or 1.0))
                   for r in requests]  # fmt: skip
         predictions = predict(scaled, settings.routing, settings.eviction, settings.capacity_blocks,
-                              temperature=settings.router_temperature)  # fmt: skip
+                              temperature=settings.router_temperature,
+                              cache_aware=settings.cache_aware,
+                              port_base=settings.port_base)  # fmt: skip
         header = ["routing", "eviction", "sim hit", "sim TTFT p50 ms", "sim TTFT p90 ms",
                   "sim shares"]  # fmt: skip
         rows = [[p.routing, p.eviction, _rate(p.block_hit_rate), _ms(p.ttft_p50_s),
@@ -574,11 +666,7 @@ def run_demo(settings: FleetDemoSettings) -> int:
         eviction=settings.eviction[0],
         capacity_blocks=settings.capacity_blocks,
         port_base=settings.port_base,
-        router_args=(
-            ["--router-temperature", str(settings.router_temperature)]
-            if settings.router_temperature
-            else []
-        ),
+        router_args=router_args(settings),
     )
     runs: list[Figures] = []
     try:
@@ -625,7 +713,9 @@ def run_demo(settings: FleetDemoSettings) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return run_demo(parse_args(argv))
+    settings = parse_args(argv)
+    stop_on_sigterm()
+    return run_demo(settings)
 
 
 __all__ = ["Figures", "FleetDemoSettings", "main", "mixed_requests", "predict"]

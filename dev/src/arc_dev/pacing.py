@@ -140,6 +140,37 @@ class Calibration:
         )
 
 
+def _calibration_prompts(
+    prompt_tokens: int, vocabulary: int, first: int, count: int
+) -> list[list[int]]:
+    # Distinct leading tokens per prompt, so no prompt hits another's blocks.
+    return [
+        [4 + (7 * n + 13 * i + n * i) % vocabulary for i in range(prompt_tokens)]
+        for n in range(first, first + count)
+    ]
+
+
+def warm_up(
+    complete: Callable[[list[int], int], None],
+    prompt_tokens: int,
+    *,
+    vocabulary: int = 1_000,
+    rounds: int = CALIBRATION_ROUNDS,
+) -> None:
+    """Serve, untimed, what ``measure_cost`` times: uncached and cached prompts of
+    ``prompt_tokens`` and a short decode.
+
+    A fresh vLLM CPU server runs its first requests of a length several times slower than
+    later ones (measured: a 758-token prefill at 230 ms first, 43 ms from then on); timed
+    cold, that one-time set-up would read as the server's cost and pace the replay too slowly.
+    Uses prompts ``measure_cost`` never sends, and leaves them cached.
+    """
+    prompts = _calibration_prompts(prompt_tokens, vocabulary, rounds + 1, rounds)
+    for max_tokens in (1, 1, 1 + DECODE_PROBE_TOKENS):
+        for prompt in prompts:
+            complete(prompt, max_tokens)
+
+
 def measure_cost(
     complete: Callable[[list[int], int], None],
     prompt_tokens: int,
@@ -147,23 +178,21 @@ def measure_cost(
     vocabulary: int = 1_000,
     rounds: int = CALIBRATION_ROUNDS,
 ) -> Calibration:
-    """Time real completions through ``complete(prompt_ids, max_tokens)``, one at a time.
+    """Time real completions through ``complete(prompt_ids, max_tokens)``, one at a time,
+    after a ``warm_up`` of the same server.
 
-    Leaves ``rounds`` prompts in the server's prefix cache: empty it before a measured run.
+    Leaves ``2 * rounds`` prompts in the server's prefix cache: empty it before a measured run.
     """
     if prompt_tokens < 2:
         raise ValueError(f"prompt_tokens must be at least 2, got {prompt_tokens}")
+    warm_up(complete, prompt_tokens, vocabulary=vocabulary, rounds=rounds)
 
     def timed(prompt: list[int], max_tokens: int) -> float:
         started = time.perf_counter()
         complete(prompt, max_tokens)
         return time.perf_counter() - started
 
-    # Distinct leading tokens per round, so no round hits another's blocks.
-    prompts = [
-        [4 + (7 * n + 13 * i + n * i) % vocabulary for i in range(prompt_tokens)]
-        for n in range(1, rounds + 1)
-    ]
+    prompts = _calibration_prompts(prompt_tokens, vocabulary, 1, rounds)
     miss = statistics.median(timed(p, 1) for p in prompts)
     hit = statistics.median(timed(p, 1) for p in prompts)
     longer = statistics.median(timed(p, 1 + DECODE_PROBE_TOKENS) for p in prompts)

@@ -7,7 +7,8 @@ The fleet is what a ServingPolicy with ``spec.replicas > 1`` runs in a cluster
   ``port_base + 10 * i``, publishes vLLM's KV-cache events over ZMQ on ``+ 1`` (topic ``""``,
   the router subscribes to every topic) and serves their replay on ``+ 2``; it runs the plugin
   with its own policy file (``ARC_EVICTOR_CONFIG``), block size ``BLOCK_TOKENS`` and a cache
-  of ``capacity_blocks`` blocks, and ``--enable-scale-out`` as the operator's serving pods run
+  of ``capacity_blocks`` blocks, its engine bound to a core of its own while the machine has
+  enough (``engine_core``), and ``--enable-scale-out`` as the operator's serving pods run
   (the router renders text prompts through it; token-id prompts, which the load test sends,
   reach kv_aware's index without it: ``vllm_router_kv_routing_inputs_total{result="token_ids"}``);
 - the router (``FleetRouter``, the ``vllm-router`` console script next to this Python) listens on
@@ -215,6 +216,7 @@ class FleetServer(VllmServer):
                 CONFIG_ENV: str(self.policy_file.resolve()),
                 POLL_MS_ENV: str(POLL_MS),
                 "VLLM_SERVER_DEV_MODE": "1",  # serves POST /reset_prefix_cache
+                "VLLM_CPU_OMP_THREADS_BIND": str(engine_core(index)),
             },
             extra_args=[
                 "--kv-events-config",
@@ -269,6 +271,22 @@ class FleetServer(VllmServer):
             block_hits=_total(samples, "arc_evictor_block_hits_total"),
             policy=active[0] if active else None,
         )
+
+
+def server_url(port_base: int, index: int) -> str:
+    """The URL of server ``index`` of a fleet on ``port_base``: the router's worker URL."""
+    return f"http://127.0.0.1:{port_base + PORTS_PER_SERVER * index}"
+
+
+def engine_core(index: int) -> int:
+    """The CPU that server ``index``'s engine is bound to: one each while there are enough.
+
+    vLLM's automatic binding puts every CPU server's engine on the first core, so two local
+    replicas would share one core and serve half of what each alone measures, where replicas
+    in a cluster each have their own CPUs.
+    """
+    cores = sorted(os.sched_getaffinity(0))
+    return cores[index % len(cores)]
 
 
 def write_policy_file(path: Path, policy: str) -> None:

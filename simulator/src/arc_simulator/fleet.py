@@ -35,7 +35,7 @@ from collections.abc import Sequence
 
 from arc_serving_common.traces import TraceRequest
 from arc_simulator.belady import Belady
-from arc_simulator.routing import RoutingError, check_replicas, make_router
+from arc_simulator.routing import CacheAwareConfig, RoutingError, check_replicas, make_router
 from arc_simulator.simulate import (
     CostModel,
     Replica,
@@ -126,15 +126,19 @@ def simulate_fleet(
     cost: CostModel | None = None,
     seed: int = 0,
     temperature: float = 0.0,
+    cache_aware: CacheAwareConfig | None = None,
+    worker_urls: Sequence[str] | None = None,
 ) -> tuple[SimulationResult, list[int]]:
     """Route ``requests`` over ``replicas`` replicas of ``capacity`` blocks each.
 
     Returns the fleet's result (counts summed over replicas, load shares per
     replica) and the replica each request was sent to, in request order.
-    ``temperature`` is the router's ``--router-temperature`` (``kv_aware`` only).
+    ``temperature`` is the router's ``--router-temperature`` (``kv_aware`` only),
+    ``cache_aware`` its ``cache_aware`` thresholds (the router's defaults if None),
+    ``worker_urls`` its ``--worker-urls`` (``consistent_hash``'s ring).
     """
     check_fleet(policy_name, replicas)
-    router = make_router(router_name, replicas, seed, temperature)
+    router = make_router(router_name, replicas, seed, temperature, cache_aware, worker_urls)
     cost = cost or CostModel()
     mode = "sequential" if sequential else "overlapping"
     # One replica is never scored, so it keeps nothing for a router.

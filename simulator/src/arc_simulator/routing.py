@@ -13,10 +13,12 @@ The rules follow the vLLM router's policies (repository vllm-project/router,
 - ``random``: a uniform draw from a ``random.Random`` seeded with ``seed``.
 - ``round_robin``: replicas 0, 1, ..., N-1, 0, ... in request order.
 - ``consistent_hash`` (``consistent_hash.rs``): a ring of 160 virtual nodes per
-  replica (``replica-<i>:<v>``); a request goes to the first virtual node at or
-  after its session key's hash, wrapping around. The router hashes with FurcHash
-  and MurmurHash64A; this model hashes with BLAKE2b (64 bits), so the rule is the
-  same but individual assignments differ. The session key stands in for the
+  replica (``<worker URL>:<v>``); a request goes to the first virtual node at or
+  after its session key's hash, wrapping around, with the router's own hash
+  (FurcHash and MurmurHash64A, ``arc_simulator.ring_hash``). Given the router's
+  worker URLs, every assignment is the router's; without them (a cluster's are pod
+  addresses) the URLs are ``default_worker_urls``, the same rule on other points.
+  The session key stands in for the
   router's ``X-Session-ID`` header and is the one the load test sends
   (``arc_serving_common.sessions``): the conversation's root chat id where the
   trace links turns (``parent_chat_id``), else the conversation found by its own
@@ -62,7 +64,6 @@ least cost) takes the lowest replica index.
 
 from __future__ import annotations
 
-import hashlib
 import math
 import random
 from bisect import bisect_left
@@ -72,6 +73,7 @@ from typing import Protocol
 
 from arc_serving_common.sessions import SessionKeys
 from arc_serving_common.traces import TraceRequest
+from arc_simulator.ring_hash import fbi_hash
 
 MAX_REPLICAS = 1024  # far above any study here; a typo like 100000 is an error, not hours
 
@@ -144,37 +146,53 @@ class RoundRobinRouter:
         return chosen
 
 
-def _hash64(text: str) -> int:
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
+# vllm-router 0.1.17 hashes the header's name with its value (its log:
+# ``Consistent hash routing: key='header:x-session-id:chat:57'``).
+SESSION_HEADER_KEY = "header:x-session-id:"
 
 
 class ConsistentHashRouter:
-    """A hash ring over session keys.
+    """The router's hash ring over session keys (``arc_simulator.ring_hash``).
 
-    Invariant: ``_points`` is sorted and ``_owners[i]`` owns ``_points[i]``.
+    Invariant: ``_points`` is sorted and ``_owners[i]`` owns ``_points[i]``; a point two
+    workers' virtual nodes share belongs to the later worker, as in the router's map.
     ``_sessions`` has seen every request routed so far, in order.
     """
 
     name = "consistent_hash"
     VIRTUAL_NODES = 160  # the router's VIRTUAL_NODES_PER_WORKER
 
-    def __init__(self, replicas: int, seed: int = 0) -> None:
-        ring = sorted(
-            (_hash64(f"replica-{replica}:{node}"), replica)
-            for replica in range(replicas)
+    def __init__(
+        self, replicas: int, seed: int = 0, worker_urls: Sequence[str] | None = None
+    ) -> None:
+        urls = list(worker_urls) if worker_urls is not None else default_worker_urls(replicas)
+        if len(urls) != replicas:
+            raise RoutingError(f"{len(urls)} worker URLs given for {replicas} replicas")
+        ring = {
+            fbi_hash(f"{url}:{node}"): replica
+            for replica, url in enumerate(urls)
             for node in range(self.VIRTUAL_NODES)
-        )
-        self._points = [point for point, _ in ring]
-        self._owners = [owner for _, owner in ring]
+        }
+        self._points = sorted(ring)
+        self._owners = [ring[point] for point in self._points]
         self._sessions = SessionKeys()
 
     def session_key(self, request: TraceRequest) -> str:
         """The request's conversation, as the load test's ``X-Session-ID`` names it."""
         return self._sessions.key(request)
 
-    def route(self, request: TraceRequest, view: FleetView) -> int:
-        position = bisect_left(self._points, _hash64(self.session_key(request)))
+    def worker_for_key(self, key: str) -> int:
+        """The replica whose virtual node is the first at or after ``key``'s hash."""
+        position = bisect_left(self._points, fbi_hash(key))
         return self._owners[position % len(self._points)]
+
+    def route(self, request: TraceRequest, view: FleetView) -> int:
+        return self.worker_for_key(SESSION_HEADER_KEY + self.session_key(request))
+
+
+def default_worker_urls(replicas: int) -> list[str]:
+    """Worker URLs for a fleet whose real ones are not given (a cluster's are pod addresses)."""
+    return [f"http://replica-{replica}:8000" for replica in range(replicas)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,6 +204,32 @@ class CacheAwareConfig:
     balance_rel_threshold: float = 1.5
     eviction_interval_s: float = 120.0
     max_tree_tokens: int = 2**26 // 4
+
+    def __post_init__(self) -> None:
+        # The router's own bounds (``vllm-router --help``), named by its flags.
+        if not 0.0 <= self.cache_threshold <= 1.0:
+            raise RoutingError(
+                f"--cache-threshold must be between 0 and 1, got {self.cache_threshold}"
+            )
+        if self.balance_abs_threshold < 0:
+            raise RoutingError(
+                f"--balance-abs-threshold must be >= 0, got {self.balance_abs_threshold}"
+            )
+        if not (math.isfinite(self.balance_rel_threshold) and self.balance_rel_threshold >= 1):
+            raise RoutingError(
+                f"--balance-rel-threshold must be a number >= 1, got {self.balance_rel_threshold}"
+            )
+
+    def router_args(self) -> list[str]:
+        """The ``vllm-router`` flags that give the real router these thresholds."""
+        return [
+            "--cache-threshold",
+            str(self.cache_threshold),
+            "--balance-abs-threshold",
+            str(self.balance_abs_threshold),
+            "--balance-rel-threshold",
+            str(self.balance_rel_threshold),
+        ]
 
 
 class CacheAwareRouter:
@@ -340,11 +384,20 @@ def check_replicas(replicas: int) -> None:
         raise RoutingError(f"replicas must be between 1 and {MAX_REPLICAS}, got {replicas}")
 
 
-def make_router(name: str, replicas: int, seed: int = 0, temperature: float = 0.0) -> Router:
+def make_router(
+    name: str,
+    replicas: int,
+    seed: int = 0,
+    temperature: float = 0.0,
+    cache_aware: CacheAwareConfig | None = None,
+    worker_urls: Sequence[str] | None = None,
+) -> Router:
     """A fresh router by registry name for ``replicas`` replicas.
 
     ``temperature`` is vllm-router's ``--router-temperature``, which only ``kv_aware``
     reads; it is checked for every router, so a bad value is refused whatever the name.
+    ``cache_aware`` holds ``cache_aware``'s thresholds (the router's defaults if None);
+    ``worker_urls`` the router's ``--worker-urls``, which place ``consistent_hash``'s ring.
     """
     check_replicas(replicas)
     check_temperature(temperature)
@@ -353,4 +406,8 @@ def make_router(name: str, replicas: int, seed: int = 0, temperature: float = 0.
         raise RoutingError(f"unknown router {name!r}; valid routers: {', '.join(ROUTERS)}")
     if factory is KvAwareRouter:
         return KvAwareRouter(replicas, seed, temperature)
+    if factory is CacheAwareRouter:
+        return CacheAwareRouter(replicas, seed, cache_aware)
+    if factory is ConsistentHashRouter:
+        return ConsistentHashRouter(replicas, seed, worker_urls)
     return factory(replicas, seed)

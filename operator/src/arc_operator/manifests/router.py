@@ -36,7 +36,13 @@ from arc_operator.manifests.common import (
     router_selector_labels,
     tcp,
 )
-from arc_operator.models import RoutingPolicy, ServingPolicySpec
+from arc_operator.models import (
+    DEFAULT_KV_AWARE_TEMPERATURE,
+    ROUTER_TEMPERATURE,
+    RoutingPolicy,
+    ServingPolicySpec,
+    router_temperature_arg,
+)
 from arc_serving_common.names import API_KEY_ENV
 
 # The router (vllm-router 0.1.17): its API on 8000 like the serving pods, /metrics on 29000.
@@ -58,7 +64,8 @@ def router_args(
 
     kv_aware: static workers, the ``endpoints`` in the order given, each with its KV event and
     replay sockets, hashed at cache.blockSize under the served model name (the router cannot
-    tell a mismatch: it would silently find no prefix). Other policies: Kubernetes service
+    tell a mismatch: it would silently find no prefix), and ``--router-temperature
+    DEFAULT_KV_AWARE_TEMPERATURE`` unless routing.args sets one. Other policies: Kubernetes service
     discovery of this ServingPolicy's serving pods. The API key stays in the Secret: Kubernetes
     expands ``$(VLLM_API_KEY)`` from the container's env when it starts the container.
     """
@@ -83,6 +90,8 @@ def router_args(
             "--kv-event-block-size", str(spec.cache.block_size),
             "--kv-event-model", spec.model.served,
         ]  # fmt: skip
+        if router_temperature_arg(spec.routing.args) is None:
+            args += [ROUTER_TEMPERATURE, DEFAULT_KV_AWARE_TEMPERATURE]
     else:
         args += [
             "--service-discovery",

@@ -15,20 +15,25 @@ from __future__ import annotations
 from arc_operator.models.settings import OperatorConfig
 from arc_operator.models.spec import (
     DEFAULT_FLEET_ROUTING,
+    DEFAULT_KV_AWARE_TEMPERATURE,
     NO_TELEMETRY_ENV,
     OWNED_ENV,
+    ROUTER_TEMPERATURE,
     WRITABLE_DIR_ENV,
     RoutingPolicy,
     ServingPolicySpec,
     SpecError,
     SwitchMode,
     parse_spec,
+    router_temperature_arg,
 )
 
 __all__ = [
     "DEFAULT_FLEET_ROUTING",
+    "DEFAULT_KV_AWARE_TEMPERATURE",
     "NO_TELEMETRY_ENV",
     "OWNED_ENV",
+    "ROUTER_TEMPERATURE",
     "WRITABLE_DIR_ENV",
     "OperatorConfig",
     "RoutingPolicy",
@@ -36,4 +41,5 @@ __all__ = [
     "SpecError",
     "SwitchMode",
     "parse_spec",
+    "router_temperature_arg",
 ]

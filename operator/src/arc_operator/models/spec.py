@@ -16,7 +16,13 @@ from pydantic import ConfigDict, Field, ValidationError, field_validator, model_
 
 from arc_operator import PLURAL
 from arc_operator.models.base import FrozenModel
-from arc_serving_common.names import API_KEY_ENV, CONFIG_ENV, POLICY_ENV, POLICY_NAMES
+from arc_serving_common.names import (
+    API_KEY_ENV,
+    CONFIG_ENV,
+    KV_AWARE_ROUTER_TEMPERATURE,
+    POLICY_ENV,
+    POLICY_NAMES,
+)
 
 # Policy names as the custom resource spells them (upper case), generated from the shared
 # names so that a new policy is valid here, in the CRD enum and in the docs at once.
@@ -101,6 +107,11 @@ class RoutingPolicy(enum.StrEnum):
 # The routing policy of a ServingPolicy with more than one replica that names none; one
 # replica (or none) needs no router. docs/architecture.md, "Routing", records why.
 DEFAULT_FLEET_ROUTING = RoutingPolicy.KV_AWARE
+# kv_aware's --router-temperature unless routing.args gives one: the least cost still wins,
+# but equal costs (a cold prompt on idle replicas) are drawn at random instead of all going
+# to the first worker of the router's registry. docs/routing.md, "Measured on a local fleet".
+ROUTER_TEMPERATURE = "--router-temperature"
+DEFAULT_KV_AWARE_TEMPERATURE = f"{KV_AWARE_ROUTER_TEMPERATURE:g}"
 # Router flags the operator sets itself (docs/architecture.md, "Routing"); routing.args may
 # not repeat or contradict them.
 OWNED_ROUTER_ARGS = frozenset(
@@ -164,6 +175,27 @@ def _flag_in(arg: str, flags: frozenset[str], *, underscores: bool) -> str | Non
     if underscores:
         flag = flag.replace("_", "-")
     return next((owned for owned in sorted(flags) if owned.startswith(flag)), None)
+
+
+def router_temperature_arg(args: Sequence[str]) -> str | None:
+    """The value ``args`` give ``--router-temperature`` (the last one, as argparse keeps),
+    "" for the flag with no value, None when they do not set it."""
+    value = None
+    for at, arg in enumerate(args):
+        if _flag_in(arg, frozenset({ROUTER_TEMPERATURE}), underscores=False):
+            if "=" in arg:
+                value = arg.split("=", 1)[1]
+            else:
+                value = args[at + 1] if at + 1 < len(args) else ""
+    return value
+
+
+def _is_temperature(text: str) -> bool:
+    try:
+        value = float(text)
+    except ValueError:
+        return False
+    return math.isfinite(value) and value >= 0
 
 
 def _owned_flag(arg: str) -> str | None:
@@ -533,6 +565,11 @@ class ServingPolicySpec(FrozenModel):
             problems.append(
                 f"routing.args may not set {', '.join(modes)} (another router mode than one "
                 "router over this ServingPolicy's pods)"
+            )
+        temperature = router_temperature_arg(args)
+        if temperature is not None and not _is_temperature(temperature):
+            problems.append(
+                f"routing.args: {ROUTER_TEMPERATURE} must be a number >= 0, got {temperature!r}"
             )
         return problems
 
