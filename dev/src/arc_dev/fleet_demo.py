@@ -718,7 +718,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     return run_demo(settings)
 
 
-__all__ = ["Figures", "FleetDemoSettings", "main", "mixed_requests", "predict"]
+__all__ = [
+    "Figures",
+    "FleetDemoSettings",
+    "main",
+    "mean_in_flight",
+    "mixed_requests",
+    "predict",
+    "router_args",
+]
 
 if __name__ == "__main__":
     sys.exit(main())

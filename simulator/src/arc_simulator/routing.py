@@ -206,7 +206,9 @@ class CacheAwareConfig:
     max_tree_tokens: int = 2**26 // 4
 
     def __post_init__(self) -> None:
-        # The router's own bounds (``vllm-router --help``), named by its flags.
+        # Named by the router's flags. Outside these bounds a threshold means nothing: the
+        # cache threshold is a share of the prompt, the absolute one is an unsigned load
+        # difference in the router, and below 1 the relative test holds for any load.
         if not 0.0 <= self.cache_threshold <= 1.0:
             raise RoutingError(
                 f"--cache-threshold must be between 0 and 1, got {self.cache_threshold}"
