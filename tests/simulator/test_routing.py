@@ -459,6 +459,30 @@ def test_the_ring_hash_is_a_64_bit_murmur_over_a_furc_bucket() -> None:
     )
 
 
+# Placements the real vllm-router 0.1.17 logged (``Consistent hash routing: key=... ->
+# worker=...``) for workers http://127.0.0.1:27400 and :27410, in that --worker-urls order.
+ROUTER_PLACED = {
+    "chat:0": 1,
+    "chat:100": 1,
+    "chat:101": 0,
+    "chat:102": 1,
+    "chat:103": 0,
+    "chat:104": 1,
+    "chat:105": 1,
+    "chat:106": 1,
+    "chat:107": 0,
+    "chat:108": 0,
+    "chat:109": 1,
+    "chat:11": 1,
+}
+
+
+def test_the_ring_places_sessions_where_the_real_router_did() -> None:
+    ring = ConsistentHashRouter(2, worker_urls=["http://127.0.0.1:27400", "http://127.0.0.1:27410"])
+    placed = {key: ring.worker_for_key(SESSION_HEADER_KEY + key) for key in ROUTER_PLACED}
+    assert placed == ROUTER_PLACED
+
+
 def test_consistent_hash_places_its_ring_by_the_worker_urls() -> None:
     urls = ["http://10.0.0.1:8000", "http://10.0.0.2:8000"]
     one, same, other = (

@@ -585,6 +585,9 @@ def pace_to_fleet(
     The pace assumes no hit at all (round robin on this trace gets few), so no routing's run
     overloads the replicas; ``--time-scale`` overrides the speed only.
     """
+    for server in fleet.servers:  # the first long prompts of a process are slower
+        for length in (1_500, 500):
+            fleet.complete([4 + i % 1000 for i in range(length)], 4, url=server.url)
     prompt_tokens = max(sum(r.input_length for r in requests) // len(requests), 2 * BLOCK_TOKENS)
     first, *others = fleet.servers
     for server in others:  # measure_cost warms the first up itself
@@ -675,9 +678,6 @@ def run_demo(settings: FleetDemoSettings) -> int:
                 f"fleet up: servers {[s.url for s in fleet.servers]}, router "
                 f"{fleet.router.url} (logs {fleet.work_dir})"
             )
-            for server in fleet.servers:  # the first long prompts of a process are slower
-                for length in (1_500, 500):
-                    fleet.complete([4 + i % 1000 for i in range(length)], 4, url=server.url)
             replay_pace, cost, predictions = pace_to_fleet(fleet, requests, settings, clock)
             for routing in settings.routing:
                 if fleet.router.policy != routing:

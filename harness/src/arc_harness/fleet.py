@@ -227,7 +227,7 @@ class FleetServer(VllmServer):
             log_path=work_dir / f"server-{index}.log",
             api_key=api_key,
         )
-        self.url = f"http://127.0.0.1:{port}"
+        self.url = local_url(port)
 
     def command(self) -> list[str]:
         # VllmServer.start() draws a free port before it builds the command; the fleet's
@@ -273,9 +273,18 @@ class FleetServer(VllmServer):
         )
 
 
+def local_url(port: int) -> str:
+    return f"http://127.0.0.1:{port}"
+
+
+def server_port(port_base: int, index: int) -> int:
+    """The HTTP port of server ``index`` of a fleet on ``port_base``."""
+    return port_base + PORTS_PER_SERVER * index
+
+
 def server_url(port_base: int, index: int) -> str:
     """The URL of server ``index`` of a fleet on ``port_base``: the router's worker URL."""
-    return f"http://127.0.0.1:{port_base + PORTS_PER_SERVER * index}"
+    return local_url(server_port(port_base, index))
 
 
 def engine_core(index: int) -> int:
@@ -319,7 +328,7 @@ class FleetRouter:
         self.servers = list(servers)
         self.port = port
         self.metrics_port = port + 1
-        self.url = f"http://127.0.0.1:{port}"
+        self.url = local_url(port)
         self.metrics_url = f"http://127.0.0.1:{self.metrics_port}/metrics"
         self.policy = policy
         self.api_key = api_key
@@ -512,7 +521,7 @@ class Fleet:
             FleetServer(
                 index,
                 Path(model_dir),
-                port=port_base + PORTS_PER_SERVER * index,
+                port=server_port(port_base, index),
                 api_key=self.api_key,
                 capacity_blocks=capacity_blocks,
                 max_model_len=length,
