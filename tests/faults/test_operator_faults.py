@@ -214,7 +214,7 @@ async def test_operator_restart_mid_update_converges_without_duplicates(
     }
     # Stop the operator while its write hangs; answer the write once kopf says it stops.
     caplog.set_level(logging.INFO, logger="kopf")
-    stopping = asyncio.create_task(operator.stop())
+    stopping = asyncio.create_task(operator.stop(graceful=True))
     await eventually(
         lambda: any("Operator is stopping" in r.getMessage() for r in caplog.records),
         timeout=WAIT_S,

@@ -4,6 +4,7 @@ server on 127.0.0.1, and the real kopf operator running in-process against them.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import datetime
 import threading
@@ -274,7 +275,8 @@ class RunningOperator:
     def __init__(self, config: OperatorConfig) -> None:
         self.config = config
         self._thread: threading.Thread | None = None
-        self._stop = threading.Event()
+        self._stop = threading.Event()  # kopf's stop flag
+        self._cancel = threading.Event()
         # The operator-wide memo of the current run (handlers keep their Runtime in it).
         self.memo = kopf.Memo()
         self.handled: list[HandledEvent] = []
@@ -304,8 +306,9 @@ class RunningOperator:
         return [e for e in list(self.handled) if e.plural == plural and e.name == name]
 
     async def _operate(self, registry: kopf.OperatorRegistry, ready: threading.Event) -> None:
-        try:
-            await kopf.operator(
+        cancelled = asyncio.ensure_future(asyncio.to_thread(self._cancel.wait))
+        operating = asyncio.ensure_future(
+            kopf.operator(
                 registry=registry,
                 settings=kopf.OperatorSettings(),
                 clusterwide=True,
@@ -313,7 +316,18 @@ class RunningOperator:
                 ready_flag=ready,
                 memo=self.memo,
             )
+        )
+        try:
+            await asyncio.wait([cancelled, operating], return_when=asyncio.FIRST_COMPLETED)
+            operating.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await operating
         finally:
+            # End the threads that wait on either flag (this one's, and kopf's for its stop
+            # flag): asyncio.run joins them.
+            self._cancel.set()
+            self._stop.set()
+            await cancelled
             # Close the operator's sessions in their own loop whatever kopf's shutdown did
             # (closing twice is harmless): a connection a stop leaves open is otherwise
             # finalised by some later test's garbage collection, failing that test on its
@@ -324,16 +338,20 @@ class RunningOperator:
                 await runtime.http.close()
 
     async def start(self) -> None:
-        self._stop = threading.Event()
+        self._stop, self._cancel = threading.Event(), threading.Event()
         self.memo = kopf.Memo()
         ready = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(ready,), daemon=True)
         self._thread.start()
         assert await asyncio.to_thread(ready.wait, 60), "kopf did not start within 60 s"
 
-    async def stop(self) -> None:
+    async def stop(self, graceful: bool = False) -> None:
+        """Stop the operator: ``graceful`` by kopf's stop flag, as a SIGTERM stops the
+        deployed one, else by cancelling it. A graceful stop waits up to 5 s for a status
+        timer whose patch was in flight: kopf closes its API session under the patch, and
+        the timer then waits for new credentials until kopf cancels it."""
         if self._thread is not None:
-            self._stop.set()
+            (self._stop if graceful else self._cancel).set()
             await asyncio.to_thread(self._thread.join, 60)
             assert not self._thread.is_alive(), "kopf did not stop within 60 s"
             self._thread = None

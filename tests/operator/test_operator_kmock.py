@@ -335,7 +335,7 @@ async def test_deleting_the_policy_leaves_cleanup_to_owner_references(cluster, o
 async def test_operator_restart_resumes_without_duplicates(cluster, operator) -> None:
     await create_sp(cluster, "demo", make_spec(policy="ARC"))
     await eventually(lambda: condition(cluster, "demo", "Valid").get("status") == "True")
-    await operator.stop()
+    await operator.stop(graceful=True)
     before = {resource: stored(cluster, resource, name) for resource, name in CHILDREN}
     applied = len(operator_applies(cluster, CONFIGMAPS))  # the last child of a pass
 

@@ -17,8 +17,8 @@ The scenario, run once in this order:
    server's own counters meanwhile. From them it judges, at each of those evaluations and
    over the rule's own window, whether a replica hit under half of the fleet's rate: routing
    was healthy if none did, and the alert must agree with that judgement wherever it is clear
-   (unchanged by moving the window's ends by two scrape intervals). The router alerts stay
-   quiet, as the router's own counters say they should, and every routing-dashboard query
+   (unchanged by moving the window's ends by two scrape intervals). No router alert fires,
+   as the router's own counters say none should, and every routing-dashboard query
    must return sane data over this window;
 2. skew: sent straight to the engines, replica 0 gets prompts it has cached, replica 1 prompts
    nobody has; the per-replica hit-rate alert fires for replica 1, and agrees with the
@@ -479,8 +479,11 @@ def test_router_alerts_stay_quiet_while_the_router_routes_by_prefix(
     for name in ROUTER_ALERTS:
         judged = healthy.judged_evaluations(name)
         assert len(judged) >= JUDGED_EVALUATIONS, (name, len(judged))
-        active = [a for e in judged for a in e.alerts]
-        assert active == [], f"{name} while the router routed by prefix: {active}"
+        # One scrape that outlasts its 1 s timeout on a busy machine makes the router-down
+        # rule pending for an evaluation; its ``for:`` is there to absorb that. What pages
+        # someone is a firing alert.
+        firing = [a for e in judged for a in e.alerts if a.state == "firing"]
+        assert firing == [], f"{name} while the router routed by prefix: {firing}"
     assert scenario.recorder.errors == []
 
 

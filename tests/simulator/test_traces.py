@@ -44,6 +44,39 @@ def test_bailian_ids_are_rekeyed_by_chain(write_lines) -> None:
     assert one.block_tokens == 16
 
 
+def plain_chain_keys(chains: list[list[int]]) -> list[tuple[int, ...]]:
+    """Each chain's keys interned block by block from the start, first seen first."""
+    ids: dict[tuple[int, int], int] = {}
+    found = []
+    for chain in chains:
+        keys, previous = [], -1
+        for block_id in chain:
+            previous = ids.setdefault((previous, block_id), len(ids))
+            keys.append(previous)
+        found.append(tuple(keys))
+    return found
+
+
+def test_bailian_keys_do_not_depend_on_the_parent_a_turn_names(write_lines) -> None:
+    # Turns that extend their parent, diverge from it, repeat it, name an unknown or a
+    # reused chat id: the keys are those of interning every chain from its first block.
+    lines = [
+        (1, -1, [1, 2, 3]),
+        (2, 1, [1, 2, 3, 4, 5]),
+        (3, 1, [1, 9, 3, 4]),  # diverges inside the parent's blocks
+        (4, 2, [1, 2]),  # shorter than its parent
+        (5, 77, [1, 2, 3, 4, 5, 6]),  # a parent the trace never had
+        (2, 4, [1, 2, 7]),  # chat id 2 again, now another chain
+        (6, 2, [1, 2, 7, 8]),
+        (7, 2, [1, 2, 3, 4, 5, 6]),  # extends the first chat 2, not the second
+    ]
+    path = write_lines(
+        [bailian(chat, parent, float(t), ids) for t, (chat, parent, ids) in enumerate(lines)]
+    )
+    read = [request.keys for request in load_trace(path)]
+    assert read == plain_chain_keys([ids for _, _, ids in lines])
+
+
 def test_format_is_detected_from_the_first_line(write_lines) -> None:
     assert load_trace(write_lines([bailian(1, -1, 0.0, [1])]))[0].chat_id == 1
     with pytest.raises(TraceError, match=":1: a bailian line in a mooncake trace"):

@@ -144,8 +144,9 @@ def _hash_ids(record: dict[str, Any], input_length: int, block_tokens: int) -> t
     if "hash_ids" not in record:
         raise ValueError("missing field 'hash_ids'")
     ids = record["hash_ids"]
-    if not isinstance(ids, list) or not all(
-        isinstance(i, int) and not isinstance(i, bool) and 0 <= i <= MAX_HASH_ID for i in ids
+    # Checked with C-level passes (types, then bounds): this runs on every block of a trace.
+    if not isinstance(ids, list) or (
+        ids and (set(map(type, ids)) != {int} or min(ids) < 0 or max(ids) > MAX_HASH_ID)
     ):
         raise ValueError(
             f"field 'hash_ids' must be a list of integers in [0, {MAX_HASH_ID}] (64 bits)"
@@ -160,18 +161,38 @@ def _hash_ids(record: dict[str, Any], input_length: int, block_tokens: int) -> t
 
 
 class _ChainKeys:
-    """Interns (previous key, block id) chains to small ints, first seen first."""
+    """Interns (previous key, block id) chains to small ints, first seen first.
+
+    A chain's keys depend only on its block ids, so a turn whose ids begin with all of its
+    parent turn's reuses the parent's keys for them and interns only the rest. The last
+    ``REMEMBERED_CHATS`` chats' ids and keys are kept for that, which bounds the memory of a
+    trace read lazily.
+    """
+
+    REMEMBERED_CHATS = 65_536
 
     def __init__(self) -> None:
         self._ids: dict[tuple[int, int], int] = {}
+        self._chats: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = {}
 
-    def keys(self, hash_ids: Iterable[int]) -> tuple[int, ...]:
-        keys = []
-        previous = -1
-        for block_id in hash_ids:
+    def keys(
+        self, hash_ids: tuple[int, ...], chat_id: int | None = None, parent_id: int | None = None
+    ) -> tuple[int, ...]:
+        keys: list[int] = []
+        parent = self._chats.get(parent_id) if parent_id is not None else None
+        if parent is not None and hash_ids[: len(parent[0])] == parent[0]:
+            keys.extend(parent[1])
+        previous = keys[-1] if keys else -1
+        for block_id in hash_ids[len(keys) :]:
             previous = self._ids.setdefault((previous, block_id), len(self._ids))
             keys.append(previous)
-        return tuple(keys)
+        chain = tuple(keys)
+        if chat_id is not None:
+            self._chats.pop(chat_id, None)  # re-inserted last: the most recent is kept longest
+            self._chats[chat_id] = (hash_ids, chain)
+            if len(self._chats) > self.REMEMBERED_CHATS:
+                del self._chats[next(iter(self._chats))]
+        return chain
 
 
 def _parse(
@@ -203,20 +224,23 @@ def _parse(
             block_tokens=block_tokens,
         )
     parent = _field_int(record, "parent_chat_id", -1)
+    parent_id = None if parent == -1 else parent
     kind = record.get("type", "text")
     if not isinstance(kind, str):
         raise ValueError(f"field 'type' must be a string, got {kind!r}")
+    timestamp_s = _field_number(record, "timestamp")
+    chat_id = _field_int(record, "chat_id", 0)
     return TraceRequest(
         index=index,
         line=line,
-        timestamp_s=_field_number(record, "timestamp"),
+        timestamp_s=timestamp_s,
         input_length=input_length,
         output_length=output_length,
         hash_ids=ids,
-        keys=chains.keys(ids[: input_length // block_tokens]),
+        keys=chains.keys(ids[: input_length // block_tokens], chat_id, parent_id),
         block_tokens=block_tokens,
-        chat_id=_field_int(record, "chat_id", 0),
-        parent_id=None if parent == -1 else parent,
+        chat_id=chat_id,
+        parent_id=parent_id,
         turn=_field_int(record, "turn", 0) if "turn" in record else None,
         kind=kind,
     )
