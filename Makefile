@@ -48,22 +48,16 @@ demo: $(STAMP) $(PROMETHEUS)
 demo-fleet: $(STAMP)
 	$(PY) -m arc_dev.fleet_demo --out $(OUT)/demo-fleet
 
-# Everything, in two steps that together run every test once: first the tests that start no
-# server and no cluster, spread over every core; then the server tests (vLLM, Locust, marked
-# slow) and tests/cluster on a local control plane (built from Go modules: see
-# cluster/README.md) side by side, each on its own, the cluster run's report printed after the
-# servers'. Each run lists its 15 slowest tests.
+# Everything, in three runs that together run every test once: the tests that start no server
+# and no cluster, spread over every core; the server tests (vLLM, Locust, marked slow); then
+# tests/cluster on a local control plane (built from Go modules: see cluster/README.md). The
+# server tests and the cluster run one at a time: both time what they observe. Each run lists
+# its 15 slowest tests.
 SERVER_TESTS := vllm or locust or slow
 test: $(STAMP) tools cluster-binaries cluster-crds
 	$(PY) -m pytest -n auto -m "not ($(SERVER_TESTS))" --ignore=tests/cluster --durations=15
-	@mkdir -p $(OUT)
-	$(PY) -m pytest tests/cluster --durations=15 > $(OUT)/test-cluster.log 2>&1 & cluster=$$!; \
-	trap 'kill $$cluster 2>/dev/null' INT TERM; \
-	$(PY) -m pytest -m "$(SERVER_TESTS)" --ignore=tests/cluster --durations=15; servers=$$?; \
-	wait $$cluster; clusters=$$?; \
-	echo "--- tests/cluster, run beside the server tests ($(OUT)/test-cluster.log):"; \
-	cat $(OUT)/test-cluster.log; \
-	test $$servers -eq 0 && test $$clusters -eq 0
+	$(PY) -m pytest -m "$(SERVER_TESTS)" --ignore=tests/cluster --durations=15
+	$(PY) -m pytest tests/cluster --durations=15
 
 # The fast tier for a developer's loop: everything that starts no vLLM server, no Locust run
 # and nothing else marked slow, with a tenth of each fuzz target's cases, on every core.

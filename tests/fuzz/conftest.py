@@ -23,15 +23,18 @@ sys.path.insert(0, str(Path(__file__).parent))  # the fuzz_support module next t
 
 import fuzz_support  # registers the profile
 
+from tests.conftest import FUZZ_CASES, print_fuzz_cases
+
 CASES: Counter[str] = fuzz_support.CASES
 
 
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """On a pytest-xdist worker, hand the counts to the controller (tests/conftest.py)."""
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:
+        workeroutput[FUZZ_CASES] = dict(CASES)
+
+
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    """The fuzz case counts per target, printed at the end of the run."""
-    if not CASES:
-        return
-    terminalreporter.section("fuzz cases per target")
-    width = max(len(name) for name in CASES)
-    for name, count in sorted(CASES.items()):
-        terminalreporter.write_line(f"{name:<{width}}  {count:>7,}")
-    terminalreporter.write_line(f"{'total':<{width}}  {sum(CASES.values()):>7,}")
+    """The fuzz case counts per target, printed at the end of a run in one process."""
+    print_fuzz_cases(terminalreporter, CASES)
