@@ -45,8 +45,10 @@ POLICY_LABEL = "arcserving.io/servingpolicy"
 # What a takeover after a kill may take beyond the lease duration: the follower reads every
 # retry period, and this shared 2-core machine runs the processes late at times.
 KILL_MARGIN_S = 2 * RETRY_PERIOD_S + 5
-# A takeover after a graceful stop: kopf's stop, the release, the follower's next read.
-STOP_BOUND_S = LEASE_DURATION_S / 2
+# A takeover after a graceful stop (kopf's stop, the release, the follower's next read) comes
+# before any takeover by expiry could: the leader renewed at most a retry period before it
+# stopped, so its lease runs at least LEASE_DURATION_S - RETRY_PERIOD_S after the stop.
+STOP_BOUND_S = LEASE_DURATION_S - RETRY_PERIOD_S - 1
 # The children of a one-replica ServingPolicy (no router) and of a two-replica one (kv_aware).
 CHILDREN = ("deployments", "services", "networkpolicies", "configmaps")
 ROUTER_CHILDREN = ("deployments", "services", "networkpolicies", "serviceaccounts")

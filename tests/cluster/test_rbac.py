@@ -141,15 +141,20 @@ def test_removed_rule_is_reported_as_apply_rejected_and_heals(
         assert kube.get(child_kind, child_name, "-n", ns) is None
         if (child_kind, child_name) != ("deployment", name):
             assert kube.get("deployment", name, "-n", ns) is not None
-        events = kube.get(
-            "events",
-            "-n",
-            ns,
-            "--field-selector",
-            f"involvedObject.name={name},reason=ApplyRejected",
-        )
-        assert events is not None and events["items"], "no ApplyRejected event"
-        assert events["items"][0]["type"] == "Warning"
+
+        def rejection_events() -> list[dict[str, Any]] | None:
+            events = kube.get(
+                "events",
+                "-n",
+                ns,
+                "--field-selector",
+                f"involvedObject.name={name},reason=ApplyRejected",
+            )
+            return (events or {}).get("items") or None
+
+        # kopf posts events from a queue of its own, after the status patch.
+        events = wait_for("an ApplyRejected event", rejection_events)
+        assert events[0]["type"] == "Warning"
     finally:
         original["metadata"].pop("resourceVersion", None)
         kube.run("replace", "-f", "-", input=json.dumps(original))

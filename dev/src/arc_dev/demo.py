@@ -705,6 +705,7 @@ def demo_server(
             "VLLM_SERVER_DEV_MODE": "1",  # serves POST /reset_prefix_cache
         },
         log_path=log_path,
+        model_in_engine_process=False,  # the CPU build's own layout: the demo reports its timing
     )
 
 

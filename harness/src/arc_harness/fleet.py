@@ -226,6 +226,7 @@ class FleetServer(VllmServer):
             ],
             log_path=work_dir / f"server-{index}.log",
             api_key=api_key,
+            model_in_engine_process=False,  # a worker process vLLM binds to the core above
         )
         self.url = local_url(port)
 

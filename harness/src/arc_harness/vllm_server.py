@@ -106,6 +106,13 @@ class VllmServer:
     ``api_key``: the key vLLM requires on ``/v1/*`` (``GENERATE``, the default, draws a fresh
     one with ``secrets.token_urlsafe``; ``None`` serves without a key, for callers that opt
     out explicitly). ``auth_headers`` are the headers a ``/v1`` request must carry.
+
+    ``model_in_engine_process``: the model runs in the engine core's own process, as vLLM runs
+    a model on one GPU (its uniprocess executor; ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` keeps
+    the API server and the engine core apart). False: the CPU build's default, a worker
+    process of its own whose OpenMP threads vLLM binds to cores (``VLLM_CPU_OMP_THREADS_BIND``),
+    at the price of one more import of vLLM and torch at every start. The engine core, and so
+    the block pool, the plugin and its metrics and KV events, is the same either way.
     """
 
     def __init__(
@@ -124,6 +131,7 @@ class VllmServer:
         kvcache_space_gib: int = 1,
         api_key: str | _KeySentinel | None = GENERATE,
         dtype: str | None = None,
+        model_in_engine_process: bool = True,
     ) -> None:
         if block_size < CPU_BLOCK_MULTIPLE or block_size % CPU_BLOCK_MULTIPLE:
             raise ValueError(
@@ -168,6 +176,7 @@ class VllmServer:
         self.enforce_eager = enforce_eager
         self.kvcache_space_gib = kvcache_space_gib
         self.dtype = dtype or cpu_dtype()
+        self.model_in_engine_process = model_in_engine_process
         self._own_log = log_path is None
         self.log_path = Path(log_path) if log_path else None
         self.port = 0
@@ -222,6 +231,7 @@ class VllmServer:
                 "PYTHONUNBUFFERED": "1",
             }
         )
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if self.model_in_engine_process else "1"
         env.update(self.extra_env)
         # Never inherit a key from the caller's shell: the server's key is api_key alone.
         env.pop(API_KEY_ENV, None)
