@@ -5,6 +5,8 @@ Each policy file (test_lru.py, test_arc.py, ...) adds only tests of its own orde
 
 from __future__ import annotations
 
+import random
+
 import pytest
 from policy_support import access, run_plain, zipf_keys
 
@@ -274,3 +276,61 @@ def test_batched_calls_leave_the_state_of_the_per_key_calls(name: str) -> None:
         single.find(key)
     assert snapshot(batched) == snapshot(single)
     batched.verify()
+
+
+def deep_snapshot(policy: EvictionPolicy, universe: range) -> tuple[object, ...]:
+    """``snapshot``, plus the list of every key a policy names lists for (ARC's ghosts)."""
+    list_of = getattr(policy, "list_of", None)
+    lists = [list_of(key) for key in universe] if list_of else []
+    return (*snapshot(policy), lists, policy.to_evict())
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_batched_calls_equal_the_per_key_calls_over_overlapping_requests(
+    name: str, seed: int
+) -> None:
+    # A pool's life in miniature: requests overlap, share blocks (reference counts above one),
+    # hit ghosts, evict, and hold blocks without a key; every batched call must return and
+    # leave what the base class's per-key calls do, step by step.
+    rng = random.Random(seed)
+    universe = range(60)
+    batched, single = make_policy(name, 24), make_policy(name, 24)
+    refs: dict[object, int] = {}
+    running: list[list[object]] = []
+    for _ in range(1_500):
+        if running and (len(running) > 3 or rng.random() < 0.4):
+            held = running.pop(rng.randrange(len(running)))
+            released = []
+            for key in reversed(held):
+                refs[key] -= 1
+                if not refs[key]:
+                    del refs[key]
+                    released.append(key)
+            batched.release(released)
+            EvictionPolicy.release(single, released)
+        else:
+            keys = list(dict.fromkeys(rng.choices(universe, [1 / (k + 1) for k in universe], k=8)))
+            cached = [key for key in reversed(keys) if key in batched]
+            misses: list[object] = [key for key in keys if key not in batched]
+            misses += [None] * rng.randrange(2)  # blocks that hold no key
+            evictable = len(batched) - len(refs)
+            free = batched.capacity - len(batched)
+            if len(misses) > free + evictable - sum(refs.get(key, 0) == 0 for key in cached):
+                continue  # the pool would refuse it
+            newly_pinned = [key not in refs for key in cached]
+            for key in cached:
+                refs[key] = refs.get(key, 0) + 1
+            batched.touch(cached, newly_pinned)
+            EvictionPolicy.touch(single, cached, newly_pinned)
+            assert deep_snapshot(batched, universe) == deep_snapshot(single, universe)
+            free = batched.capacity - len(batched)
+            allocated = batched.allocate(misses, free, copy_entry)
+            assert allocated == EvictionPolicy.allocate(single, misses, free, copy_entry)
+            entries = [entry for entry in allocated[0] if entry is not None]
+            for entry in entries:
+                refs[entry] = 1
+            running.append(cached[::-1] + entries)
+        assert deep_snapshot(batched, universe) == deep_snapshot(single, universe)
+    batched.verify()
+    assert batched.counters.evictions, "the sequence never evicted"
+    assert batched.counters.ghost_hits or not batched.ghost_lists, "no ghost was hit"

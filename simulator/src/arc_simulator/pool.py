@@ -117,8 +117,13 @@ class BlockPool:
             hits = min(hits, max_hits)
         cached = self._cached
         refs = self._refs
-        # The cached blocks in one policy call, tail first: the prefix, then the others.
-        taken = [*reversed(keys[:hits]), *(key for key in reversed(keys[hits:]) if key in cached)]
+        rest = keys[hits:]
+        # The cached blocks in one policy call, tail first: the prefix, then the others. Past
+        # the first miss a prompt rarely holds a cached block: that case costs C-level passes.
+        others_cached = not cached.isdisjoint(rest)
+        taken = list(reversed(keys[:hits]))
+        if others_cached:
+            taken += [key for key in reversed(rest) if key in cached]
         if refs:
             newly_pinned = []
             for key in taken:
@@ -130,7 +135,7 @@ class BlockPool:
             refs.update(dict.fromkeys(taken, 1))
         if taken:
             self.policy.touch(taken, newly_pinned)
-        misses = [key for key in keys[hits:] if key not in cached]
+        misses = [key for key in rest if key not in cached] if others_cached else list(rest)
         if misses:
             self._cache_misses(misses)
         return hits

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from arc_evictor.policies.base import EvictionPolicy, Key
 from arc_evictor.policies.statistics import PolicyCounters, ReportsStatistics
@@ -104,13 +104,14 @@ class ARC(EvictionPolicy, ReportsStatistics):
             return True
         # A ghost hit: a miss that tells which list should have been larger.
         n_b1, n_b2 = len(self._b1), len(self._b2)
+        ghost_hits = self.counters.ghost_hits  # counted inline: a miss's path
         if where == B1:
-            self.counters.count_ghost_hit("b1")
+            ghost_hits["b1"] = ghost_hits.get("b1", 0) + 1
             if self.adaptive:
                 self._p = min(self._p + max(n_b2 / n_b1, 1.0), float(self.capacity))
             del self._b1[key]
         else:
-            self.counters.count_ghost_hit("b2")
+            ghost_hits["b2"] = ghost_hits.get("b2", 0) + 1
             if self.adaptive:
                 self._p = max(self._p - max(n_b1 / n_b2, 1.0), 0.0)
             del self._b2[key]
@@ -153,6 +154,109 @@ class ARC(EvictionPolicy, ReportsStatistics):
             del where[b1.popitem(last=False)[0]]
         while len(where) > 2 * capacity and (b2 or b1):
             del where[(b2 or b1).popitem(last=False)[0]]
+
+    # The batched calls inline find, pin, evict, insert and unpin's common paths, each
+    # looking a key up once; every other path goes through the per-key calls.
+    def touch(self, keys: Sequence[Key], newly_pinned: Sequence[bool]) -> None:
+        where, pinned = self._where, self._pinned
+        for index in range(len(keys)):
+            key = keys[index]
+            if not newly_pinned[index]:
+                self.find(key)  # another request holds it already
+                continue
+            # pin, then find: a resident key leaves its order, and T1 moves to T2.
+            if where[key] == T1:
+                del self._t1[key]
+                self._t1_size -= 1
+                self._t2_size += 1
+                where[key] = T2
+            else:
+                del self._t2[key]
+            pinned.add(key)
+
+    def allocate(
+        self, keys: Sequence[Key | None], free: int, copy: Callable[[Key], Key]
+    ) -> tuple[list[Key | None], list[Key]]:
+        where, b1, b2 = self._where, self._b1, self._b2
+        capacity = self.capacity
+        entries: list[Key | None] = [None] * len(keys)
+        victims: list[Key] = []
+        from_t1 = from_t2 = 0
+        for index in range(len(keys) - 1, -1, -1):
+            key = keys[index]
+            resident = False
+            if key is not None:
+                list_ = where.get(key)
+                if list_ is not None and list_ <= T2:
+                    key = copy(key)
+                    list_ = where.get(key)
+                if list_ is None:
+                    self._pending_ghost = None  # find's plain miss
+                else:
+                    # A ghost hit adapts p before the victim is chosen and leaves the
+                    # directory; a resident copy entry is left for insert to refuse.
+                    resident = self.find(key)
+            if free:
+                free -= 1
+            else:
+                victim = self.to_evict()
+                if victim is None:
+                    self._count_evictions(from_t1, from_t2)
+                    raise RuntimeError(
+                        f"policy {self.describe()} named no victim with {len(self)} resident keys"
+                    )
+                if where[victim] == T1:
+                    del self._t1[victim]
+                    self._t1_size -= 1
+                    b1[victim] = None
+                    where[victim] = B1
+                    from_t1 += 1
+                else:
+                    del self._t2[victim]
+                    self._t2_size -= 1
+                    b2[victim] = None
+                    where[victim] = B2
+                    from_t2 += 1
+                victims.append(victim)
+            if key is None:
+                continue
+            if resident:
+                self._count_evictions(from_t1, from_t2)
+                self.insert(key)  # names the error
+            else:
+                assert self._t1_size + self._t2_size < capacity, f"insert of {key!r}: ARC full"
+                if self._pending_ghost is None:
+                    where[key] = T1
+                    self._t1_size += 1
+                else:
+                    where[key] = T2
+                    self._t2_size += 1
+                self._pending_ghost = None
+                self._pinned.add(key)
+                while b1 and self._t1_size + len(b1) > capacity:
+                    del where[b1.popitem(last=False)[0]]
+                while len(where) > 2 * capacity and (b2 or b1):
+                    del where[(b2 or b1).popitem(last=False)[0]]
+            entries[index] = key
+        self._count_evictions(from_t1, from_t2)
+        return entries, victims
+
+    def _count_evictions(self, from_t1: int, from_t2: int) -> None:
+        evictions = self.counters.evictions
+        if from_t1:
+            evictions["t1"] = evictions.get("t1", 0) + from_t1
+        if from_t2:
+            evictions["t2"] = evictions.get("t2", 0) + from_t2
+
+    def release(self, keys: Sequence[Key]) -> None:
+        where, pinned, t1, t2 = self._where, self._pinned, self._t1, self._t2
+        for key in keys:
+            pinned.remove(key)
+            self._clock += 1
+            if where[key] == T1:
+                t1[key] = self._clock
+            else:
+                t2[key] = self._clock
 
     def to_evict(self) -> Key | None:
         t1_size = self._t1_size
