@@ -136,8 +136,14 @@ class ARC(EvictionPolicy, ReportsStatistics):
         return EvictionPolicy.access(self, key)
 
     def insert(self, key: Key) -> None:
+        assert key not in self._where, (
+            f"insert of {key!r}, already in ARC list {self._where.get(key)}"
+        )
+        self._insert_new(key)
+
+    def _insert_new(self, key: Key) -> None:
+        """``insert`` of a key known to be outside the directory."""
         where = self._where
-        assert key not in where, f"insert of {key!r}, already in ARC list {where.get(key)}"
         capacity = self.capacity
         assert self._t1_size + self._t2_size < capacity, f"insert of {key!r} into a full ARC"
         if self._pending_ghost is None:
@@ -155,8 +161,8 @@ class ARC(EvictionPolicy, ReportsStatistics):
         while len(where) > 2 * capacity and (b2 or b1):
             del where[(b2 or b1).popitem(last=False)[0]]
 
-    # The batched calls inline find, pin, evict, insert and unpin's common paths, each
-    # looking a key up once; every other path goes through the per-key calls.
+    # The batched calls inline find, pin, insert and unpin's common paths, each looking a
+    # key up once; every other path goes through the per-key calls.
     def touch(self, keys: Sequence[Key], newly_pinned: Sequence[bool]) -> None:
         where, pinned = self._where, self._pinned
         for index in range(len(keys)):
@@ -177,11 +183,9 @@ class ARC(EvictionPolicy, ReportsStatistics):
     def allocate(
         self, keys: Sequence[Key | None], free: int, copy: Callable[[Key], Key]
     ) -> tuple[list[Key | None], list[Key]]:
-        where, b1, b2 = self._where, self._b1, self._b2
-        capacity = self.capacity
+        where = self._where
         entries: list[Key | None] = [None] * len(keys)
         victims: list[Key] = []
-        from_t1 = from_t2 = 0
         for index in range(len(keys) - 1, -1, -1):
             key = keys[index]
             resident = False
@@ -201,52 +205,18 @@ class ARC(EvictionPolicy, ReportsStatistics):
             else:
                 victim = self.to_evict()
                 if victim is None:
-                    self._count_evictions(from_t1, from_t2)
                     raise RuntimeError(
                         f"policy {self.describe()} named no victim with {len(self)} resident keys"
                     )
-                if where[victim] == T1:
-                    del self._t1[victim]
-                    self._t1_size -= 1
-                    b1[victim] = None
-                    where[victim] = B1
-                    from_t1 += 1
-                else:
-                    del self._t2[victim]
-                    self._t2_size -= 1
-                    b2[victim] = None
-                    where[victim] = B2
-                    from_t2 += 1
+                self.evict(victim)
                 victims.append(victim)
-            if key is None:
-                continue
-            if resident:
-                self._count_evictions(from_t1, from_t2)
-                self.insert(key)  # names the error
-            else:
-                assert self._t1_size + self._t2_size < capacity, f"insert of {key!r}: ARC full"
-                if self._pending_ghost is None:
-                    where[key] = T1
-                    self._t1_size += 1
+            if key is not None:
+                if resident:
+                    self.insert(key)  # names the error
                 else:
-                    where[key] = T2
-                    self._t2_size += 1
-                self._pending_ghost = None
-                self._pinned.add(key)
-                while b1 and self._t1_size + len(b1) > capacity:
-                    del where[b1.popitem(last=False)[0]]
-                while len(where) > 2 * capacity and (b2 or b1):
-                    del where[(b2 or b1).popitem(last=False)[0]]
-            entries[index] = key
-        self._count_evictions(from_t1, from_t2)
+                    self._insert_new(key)
+                entries[index] = key
         return entries, victims
-
-    def _count_evictions(self, from_t1: int, from_t2: int) -> None:
-        evictions = self.counters.evictions
-        if from_t1:
-            evictions["t1"] = evictions.get("t1", 0) + from_t1
-        if from_t2:
-            evictions["t2"] = evictions.get("t2", 0) + from_t2
 
     def release(self, keys: Sequence[Key]) -> None:
         where, pinned, t1, t2 = self._where, self._pinned, self._t1, self._t2
