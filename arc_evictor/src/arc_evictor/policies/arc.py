@@ -186,36 +186,41 @@ class ARC(EvictionPolicy, ReportsStatistics):
         where = self._where
         entries: list[Key | None] = [None] * len(keys)
         victims: list[Key] = []
-        for index in range(len(keys) - 1, -1, -1):
-            key = keys[index]
-            resident = False
-            if key is not None:
-                list_ = where.get(key)
-                if list_ is not None and list_ <= T2:
-                    key = copy(key)
+        from_t1 = 0  # evictions, counted once per call, whatever raises
+        try:
+            for index in range(len(keys) - 1, -1, -1):
+                key = keys[index]
+                resident = False
+                if key is not None:
                     list_ = where.get(key)
-                if list_ is None:
-                    self._pending_ghost = None  # find's plain miss
+                    if list_ is not None and list_ <= T2:
+                        key = copy(key)
+                        list_ = where.get(key)
+                    if list_ is None:
+                        self._pending_ghost = None  # find's plain miss
+                    else:
+                        # A ghost hit adapts p before the victim is chosen and leaves the
+                        # directory; a resident copy entry is left for insert to refuse.
+                        resident = self.find(key)
+                if free:
+                    free -= 1
                 else:
-                    # A ghost hit adapts p before the victim is chosen and leaves the
-                    # directory; a resident copy entry is left for insert to refuse.
-                    resident = self.find(key)
-            if free:
-                free -= 1
-            else:
-                victim = self.to_evict()
-                if victim is None:
-                    raise RuntimeError(
-                        f"policy {self.describe()} named no victim with {len(self)} resident keys"
-                    )
-                self.evict(victim)
-                victims.append(victim)
-            if key is not None:
-                if resident:
-                    self.insert(key)  # names the error
-                else:
-                    self._insert_new(key)
-                entries[index] = key
+                    victim = self.to_evict()
+                    if victim is None:
+                        raise RuntimeError(
+                            f"policy {self.describe()} named no victim with {len(self)} "
+                            "resident keys"
+                        )
+                    from_t1 += self._to_ghost(victim)
+                    victims.append(victim)
+                if key is not None:
+                    if resident:
+                        self.insert(key)
+                    else:
+                        self._insert_new(key)
+                    entries[index] = key
+        finally:
+            self._count_evictions(from_t1, len(victims) - from_t1)
         return entries, victims
 
     def release(self, keys: Sequence[Key]) -> None:
@@ -242,19 +247,30 @@ class ARC(EvictionPolicy, ReportsStatistics):
         return None
 
     def evict(self, key: Key) -> None:
-        evictions = self.counters.evictions  # counted inline: this is the hot path
-        if self._where[key] == T1:
+        from_t1 = self._to_ghost(key)
+        self._count_evictions(int(from_t1), int(not from_t1))
+
+    def _to_ghost(self, key: Key) -> bool:
+        """Move evicted ``key`` from T1 to B1 or from T2 to B2; True when it was in T1."""
+        where = self._where
+        if where[key] == T1:
             del self._t1[key]
             self._t1_size -= 1
             self._b1[key] = None
-            self._where[key] = B1
-            evictions["t1"] = evictions.get("t1", 0) + 1
-        else:
-            del self._t2[key]
-            self._t2_size -= 1
-            self._b2[key] = None
-            self._where[key] = B2
-            evictions["t2"] = evictions.get("t2", 0) + 1
+            where[key] = B1
+            return True
+        del self._t2[key]
+        self._t2_size -= 1
+        self._b2[key] = None
+        where[key] = B2
+        return False
+
+    def _count_evictions(self, from_t1: int, from_t2: int) -> None:
+        evictions = self.counters.evictions
+        if from_t1:
+            evictions["t1"] = evictions.get("t1", 0) + from_t1
+        if from_t2:
+            evictions["t2"] = evictions.get("t2", 0) + from_t2
 
     def remove(self, key: Key) -> None:
         # Check before changing anything: a pinned key is in neither order, a ghost in
