@@ -334,3 +334,11 @@ def test_batched_calls_equal_the_per_key_calls_over_overlapping_requests(
     batched.verify()
     assert batched.counters.evictions, "the sequence never evicted"
     assert batched.counters.ghost_hits or not batched.ghost_lists, "no ghost was hit"
+
+
+def test_allocate_with_every_key_pinned_names_the_missing_victim(name: str) -> None:
+    policy = make_policy(name, 2)
+    policy.allocate([1, 2], 2, copy_entry)  # both inserted, pinned
+    with pytest.raises(RuntimeError, match="named no victim with 2 resident keys"):
+        policy.allocate([3], 0, copy_entry)
+    assert sorted(policy.resident_keys()) == [1, 2]

@@ -207,10 +207,7 @@ class ARC(EvictionPolicy, ReportsStatistics):
                 else:
                     victim = self.to_evict()
                     if victim is None:
-                        raise RuntimeError(
-                            f"policy {self.describe()} named no victim with {len(self)} "
-                            "resident keys"
-                        )
+                        raise self.no_victim()
                     from_t1 += self._to_ghost(victim)
                     victims.append(victim)
                 if key is not None:

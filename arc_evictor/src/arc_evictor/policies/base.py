@@ -178,15 +178,19 @@ class EvictionPolicy(ABC):
             else:
                 victim = self.to_evict()
                 if victim is None:
-                    raise RuntimeError(
-                        f"policy {self.describe()} named no victim with {len(self)} resident keys"
-                    )
+                    raise self.no_victim()
                 self.evict(victim)
                 victims.append(victim)
             if key is not None:
                 self.insert(key)
                 entries[index] = key
         return entries, victims
+
+    def no_victim(self) -> RuntimeError:
+        """The error ``allocate`` raises when no unpinned key is left to evict."""
+        return RuntimeError(
+            f"policy {self.describe()} named no victim with {len(self)} resident keys"
+        )
 
     def release(self, keys: Sequence[Key]) -> None:
         """``unpin`` each key, in the order given (a finished request: tail first)."""

@@ -88,7 +88,7 @@ class LRU(EvictionPolicy, ReportsStatistics):
                 del order[victim]
                 victims.append(victim)
             else:
-                raise RuntimeError(f"policy lru named no victim with {len(self)} resident keys")
+                raise self.no_victim()
             if key is not None:
                 pinned.add(key)
                 entries[index] = key
