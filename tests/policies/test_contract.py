@@ -279,7 +279,8 @@ def test_batched_calls_leave_the_state_of_the_per_key_calls(name: str) -> None:
 
 
 def deep_snapshot(policy: EvictionPolicy, universe: range) -> tuple[object, ...]:
-    """``snapshot``, plus the list of every key a policy names lists for (ARC's ghosts)."""
+    """``snapshot``, the next victim and, for a policy with named lists (ARC, trio), the list
+    each key of ``universe`` is in, ghost lists included."""
     list_of = getattr(policy, "list_of", None)
     lists = [list_of(key) for key in universe] if list_of else []
     return (*snapshot(policy), lists, policy.to_evict())
