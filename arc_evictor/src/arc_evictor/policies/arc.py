@@ -28,7 +28,7 @@ T1/B1/T2/B2.
 from __future__ import annotations
 
 import heapq
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from arc_evictor.policies.base import EvictionPolicy, Key
@@ -37,6 +37,78 @@ from arc_evictor.policies.statistics import PolicyCounters, ReportsStatistics
 T1, T2, B1, B2 = 0, 1, 2, 3
 _LIST_NAMES = ("t1", "t2", "b1", "b2")
 _NONE = object()
+
+
+class GhostList:
+    """Ghost keys, least recently evicted first: append, remove and pop the oldest in O(1).
+
+    A removed key's entry stays in the queue, marked stale, until it reaches the front or
+    the queue is compacted: cheaper than an ``OrderedDict``, which links a node per key.
+
+    Invariants (``verify``):
+    - ``len(self)`` counts the live keys, each once;
+    - a key's ``_stale[key]`` stale entries all come before its live entry, if it has one,
+      so the first entry of a key that is not stale is its live one;
+    - the queue holds at most twice the live keys plus ``COMPACT_SLACK`` entries.
+    """
+
+    COMPACT_SLACK = 64
+
+    def __init__(self) -> None:
+        self._queue: deque[Key] = deque()
+        self._stale: dict[Key, int] = {}
+        self._size = 0
+
+    def __len__(self) -> int:
+        return self._size
+
+    def __iter__(self) -> Iterator[Key]:
+        """The live keys, least recently evicted first."""
+        skip = dict(self._stale)
+        for key in self._queue:
+            stale = skip.get(key, 0)
+            if stale:
+                skip[key] = stale - 1
+            else:
+                yield key
+
+    def append(self, key: Key) -> None:
+        """``key``, not in the list, becomes its most recently evicted ghost."""
+        self._queue.append(key)
+        self._size += 1
+
+    def remove(self, key: Key) -> None:
+        """Drop ``key``, which is in the list."""
+        self._size -= 1
+        self._stale[key] = self._stale.get(key, 0) + 1
+        if len(self._queue) > 2 * self._size + self.COMPACT_SLACK:
+            live = list(self)
+            self._queue = deque(live)
+            self._stale.clear()
+
+    def pop_oldest(self) -> Key:
+        """Drop and return the least recently evicted key; the list is not empty."""
+        queue, stale = self._queue, self._stale
+        while True:
+            key = queue.popleft()
+            count = stale.get(key, 0)
+            if not count:
+                self._size -= 1
+                return key
+            if count == 1:
+                del stale[key]
+            else:
+                stale[key] = count - 1
+
+    def clear(self) -> None:
+        self._queue.clear()
+        self._stale.clear()
+        self._size = 0
+
+    def verify(self) -> None:
+        live = list(self)
+        assert len(live) == self._size == len(set(live)), "ghost list count out of step"
+        assert len(self._queue) <= 2 * self._size + self.COMPACT_SLACK, "ghost queue not compacted"
 
 
 class ARC(EvictionPolicy, ReportsStatistics):
@@ -65,8 +137,8 @@ class ARC(EvictionPolicy, ReportsStatistics):
         self._where: dict[Key, int] = {}
         self._t1: OrderedDict[Key, int] = OrderedDict()
         self._t2: OrderedDict[Key, int] = OrderedDict()
-        self._b1: OrderedDict[Key, None] = OrderedDict()
-        self._b2: OrderedDict[Key, None] = OrderedDict()
+        self._b1 = GhostList()
+        self._b2 = GhostList()
         self._pinned: set[Key] = set()
         self._t1_size = 0
         self._t2_size = 0
@@ -109,12 +181,12 @@ class ARC(EvictionPolicy, ReportsStatistics):
             ghost_hits["b1"] = ghost_hits.get("b1", 0) + 1
             if self.adaptive:
                 self._p = min(self._p + max(n_b2 / n_b1, 1.0), float(self.capacity))
-            del self._b1[key]
+            self._b1.remove(key)
         else:
             ghost_hits["b2"] = ghost_hits.get("b2", 0) + 1
             if self.adaptive:
                 self._p = max(self._p - max(n_b1 / n_b2, 1.0), 0.0)
-            del self._b2[key]
+            self._b2.remove(key)
         del self._where[key]
         self._pending_ghost = where
         return False
@@ -156,10 +228,10 @@ class ARC(EvictionPolicy, ReportsStatistics):
         self._pinned.add(key)
         # Case IV's directory bounds; only a fresh miss into T1 can break them.
         b1, b2 = self._b1, self._b2
-        while b1 and self._t1_size + len(b1) > capacity:
-            del where[b1.popitem(last=False)[0]]
-        while len(where) > 2 * capacity and (b2 or b1):
-            del where[(b2 or b1).popitem(last=False)[0]]
+        while len(b1) and self._t1_size + len(b1) > capacity:
+            del where[b1.pop_oldest()]
+        while len(where) > 2 * capacity and (len(b2) or len(b1)):
+            del where[(b2 if len(b2) else b1).pop_oldest()]
 
     # The batched calls inline find, pin, insert and unpin's common paths, each looking a
     # key up once; every other path goes through the per-key calls.
@@ -253,12 +325,12 @@ class ARC(EvictionPolicy, ReportsStatistics):
         if where[key] == T1:
             del self._t1[key]
             self._t1_size -= 1
-            self._b1[key] = None
+            self._b1.append(key)
             where[key] = B1
             return True
         del self._t2[key]
         self._t2_size -= 1
-        self._b2[key] = None
+        self._b2.append(key)
         where[key] = B2
         return False
 
@@ -369,7 +441,7 @@ class ARC(EvictionPolicy, ReportsStatistics):
             kept.append((key, frequent))
         for key, frequent in reversed(kept):
             where[key] = B2 if frequent else B1
-            (self._b2 if frequent else self._b1)[key] = None
+            (self._b2 if frequent else self._b1).append(key)
         self._p = target
 
     def list_sizes(self) -> dict[str, int]:
@@ -406,6 +478,8 @@ class ARC(EvictionPolicy, ReportsStatistics):
         assert counts[B1] == len(self._b1) and counts[B2] == len(self._b2), (
             "ghost lists out of sync"
         )
+        self._b1.verify()
+        self._b2.verify()
         assert self._t1_size + self._t2_size <= self.capacity, "ARC holds more than c blocks"
         assert self._t1_size + len(self._b1) <= self.capacity, "|T1| + |B1| exceeds c"
         assert len(self._where) <= 2 * self.capacity, "ARC directory exceeds 2c"
