@@ -5,6 +5,7 @@ from __future__ import annotations
 from policy_support import access, drain, run_plain, victims, zipf_keys
 
 from arc_evictor.policies import ARC, DBL
+from arc_evictor.policies.arc import GhostList
 
 # c = 5: five keys seen twice fill T2, then 6, 7, 8 each seen twice push 1, 2, 3 to B2,
 # 9 pushes 4 to B2, and 10 and 11 push 9 and 10 to B1 (the 2c bound drops 1 from B2).
@@ -130,3 +131,27 @@ def test_reload_places_keys_and_keeps_ghosts_within_the_case_iv_bounds() -> None
     policy.unpin("c")
     run_plain(policy, ["l"])
     assert policy.list_of("g") is None and policy.list_of("d") == "b1"
+
+
+def test_a_ghost_removed_and_evicted_again_leaves_in_its_new_turn() -> None:
+    ghosts = GhostList()
+    for key in "abc":
+        ghosts.append(key)
+    ghosts.remove("b")  # a ghost hit
+    ghosts.append("b")  # evicted again: now the newest
+    ghosts.remove("a")
+    ghosts.verify()
+    assert (len(ghosts), list(ghosts)) == (2, ["c", "b"])
+    assert [ghosts.pop_oldest(), ghosts.pop_oldest()] == ["c", "b"]
+    assert len(ghosts) == 0
+
+
+def test_ghost_queue_of_mostly_removed_keys_is_compacted() -> None:
+    ghosts = GhostList()
+    for key in range(200):
+        ghosts.append(key)
+    for key in range(190):
+        ghosts.remove(key)
+    ghosts.verify()  # the queue holds at most 2 x 10 + COMPACT_SLACK entries
+    assert list(ghosts) == list(range(190, 200))
+    assert ghosts.pop_oldest() == 190
