@@ -48,15 +48,18 @@ demo: $(STAMP) $(PROMETHEUS)
 demo-fleet: $(STAMP)
 	$(PY) -m arc_dev.fleet_demo --out $(OUT)/demo-fleet
 
-# Everything, in three runs that together run every test once: the tests that start no server
-# and no cluster, spread over every core; the server tests (vLLM, Locust, marked slow); then
-# tests/cluster on a local control plane (built from Go modules: see cluster/README.md). The
-# server tests and the cluster run one at a time: both time what they observe. Each run lists
-# its 15 slowest tests.
+# Everything, in four runs that together run every test once: the tests that start no server
+# and no cluster, spread over every core; the server tests (vLLM, Locust, marked slow), two
+# modules at a time, since most of a module's time is spent waiting on paced replays, alert
+# timers and start-ups; the server tests marked exclusive, alone, since they judge latency
+# against fixed bounds; then tests/cluster on a local control plane (built from Go modules: see
+# cluster/README.md), which times what it observes too. Each run lists its 15 slowest tests.
 SERVER_TESTS := vllm or locust or slow
 test: $(STAMP) tools cluster-binaries cluster-crds
 	$(PY) -m pytest -n auto -m "not ($(SERVER_TESTS))" --ignore=tests/cluster --durations=15
-	$(PY) -m pytest -m "$(SERVER_TESTS)" --ignore=tests/cluster --durations=15
+	$(PY) -m pytest -n 2 --dist loadfile -m "($(SERVER_TESTS)) and not exclusive" \
+		--ignore=tests/cluster --durations=15
+	$(PY) -m pytest -m exclusive --ignore=tests/cluster --durations=15
 	$(PY) -m pytest tests/cluster --durations=15
 
 # The fast tier for a developer's loop: everything that starts no vLLM server, no Locust run

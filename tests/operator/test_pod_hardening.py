@@ -14,13 +14,14 @@ from __future__ import annotations
 import json
 import os
 import re
+import tempfile
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from arc_harness.tinymodel import build_tiny_llama
 from arc_harness.vllm_server import VllmServer
 from arc_operator import manifests
 from arc_operator.models import OWNED_ENV, WRITABLE_DIR_ENV, SpecError, parse_spec
@@ -174,25 +175,32 @@ def outside(path: str, writable: list[Path], audit_log: Path) -> bool:
     return not any(Path(path).is_relative_to(host) for host in writable)
 
 
+@pytest.fixture
+def pod_root() -> Iterator[Path]:
+    """A short directory for the pod's volumes: vLLM binds its engine's ZeroMQ sockets under
+    TMPDIR (the pod's /tmp volume), and a Unix socket's path may not exceed 107 bytes, which a
+    pytest-xdist worker's tmp_path can come close to."""
+    with tempfile.TemporaryDirectory(prefix="pod-") as root:
+        yield Path(root)
+
+
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_vllm_writes_only_into_the_pods_empty_dirs(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    model_dir: Path, tmp_path: Path, pod_root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    model = build_tiny_llama(tmp_path / "model" / "tiny-llama")
-    # Importing torch (the model builder does) records its compile cache dir in os.environ;
+    # Importing torch (the model builder did) records its compile cache dir in os.environ;
     # the server would inherit this process's /tmp path, which no pod has.
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     template = pod("Hot")
-    root = tmp_path / "pod"
-    env, writable = mapped_layout(template, root)
+    env, writable = mapped_layout(template, pod_root)
     (Path(env[CONFIG_ENV]).parent / manifests.CONFIG_KEY).write_text(json.dumps({"policy": "arc"}))
     audit_log = tmp_path / "writes.log"
     env["ARC_WRITE_AUDIT_LOG"] = str(audit_log)
     env["PYTHONPATH"] = os.pathsep.join(
         filter(None, [str(AUDIT_DIR), os.environ.get("PYTHONPATH")])
     )
-    with VllmServer(model, served_model_name="tiny", env=env) as server:
+    with VllmServer(model_dir, served_model_name="tiny", env=env) as server:
         body = json.dumps({"model": "tiny", "prompt": [5] * 40, "max_tokens": 2}).encode()
         request = urllib.request.Request(
             f"{server.base_url}/v1/completions",

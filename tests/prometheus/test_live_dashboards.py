@@ -72,7 +72,7 @@ from tests.prometheus.live_stack import (
 )
 from tests.replay_budget import replay_run_time_s
 
-pytestmark = [pytest.mark.vllm, pytest.mark.locust, pytest.mark.slow]
+pytestmark = [pytest.mark.vllm, pytest.mark.locust, pytest.mark.slow, pytest.mark.exclusive]
 
 SCRAPE_S = 1.0
 RULE_TIME_FACTOR = 60

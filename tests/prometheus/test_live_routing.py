@@ -68,7 +68,7 @@ from tests.prometheus.live_stack import (
     unique_prompts,
 )
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.exclusive]
 
 SCRAPE_S = 1.0
 RULE_TIME_FACTOR = 60
