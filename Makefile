@@ -51,9 +51,10 @@ demo-fleet: $(STAMP)
 # Everything, in four runs that together run every test once: the tests that start no server
 # and no cluster, spread over every core; the server tests (vLLM, Locust, marked slow), two
 # modules at a time, since most of a module's time is spent waiting on paced replays, alert
-# timers and start-ups; the server tests marked exclusive, alone, since they judge latency
-# against fixed bounds; then tests/cluster on a local control plane (built from Go modules: see
-# cluster/README.md), which times what it observes too. Each run lists its 15 slowest tests.
+# timers and start-ups; the server tests marked exclusive, alone, since they judge latency or
+# timing against fixed bounds; then tests/cluster on a local control plane (built from Go
+# modules: see cluster/README.md), which times what it observes too. Each run lists its 15
+# slowest tests.
 SERVER_TESTS := vllm or locust or slow
 test: $(STAMP) tools cluster-binaries cluster-crds
 	$(PY) -m pytest -n auto -m "not ($(SERVER_TESTS))" --ignore=tests/cluster --durations=15
