@@ -71,8 +71,8 @@ OPERATOR_ONLY = [
 ]
 
 
-def schema_specs() -> st.SearchStrategy[dict[str, Any]]:
-    return from_openapi(CRD_SPEC_SCHEMA)
+# Built once: a strategy built per draw would compile the schema's regexes again every case.
+SCHEMA_SPECS = from_openapi(CRD_SPEC_SCHEMA)
 
 
 def pruned(node: Any) -> Any:
@@ -132,7 +132,7 @@ def check_agreement(spec: Any) -> Any:
     return model
 
 
-@given(spec=schema_specs())
+@given(spec=SCHEMA_SPECS)
 @fuzz_settings(2_000)
 def test_schema_valid_specs_parse_or_break_an_operator_rule(spec: dict[str, Any]) -> None:
     count("spec: from the CRD schema")
@@ -170,7 +170,7 @@ def _paths(node: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
 @st.composite
 def mutated_specs(draw: st.DrawFn) -> tuple[dict[str, Any], tuple[Any, ...]]:
     """A schema-valid spec with one place changed: (spec, the changed path)."""
-    spec = copy.deepcopy(draw(schema_specs()))
+    spec = copy.deepcopy(draw(SCHEMA_SPECS))
     paths = _paths(spec)
     path = draw(st.sampled_from(paths)) if paths else (draw(st.sampled_from(SPEC_FIELDS)),)
     parent: Any = spec
@@ -213,7 +213,7 @@ def test_random_specs_raise_only_spec_errors(spec: Any) -> None:
     check_agreement(spec)
 
 
-accepted = schema_specs().map(lambda spec: judge(spec)[0]).filter(lambda m: m is not None)
+accepted = SCHEMA_SPECS.map(lambda spec: judge(spec)[0]).filter(lambda m: m is not None)
 
 
 @given(model=accepted)

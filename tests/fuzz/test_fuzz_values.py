@@ -280,6 +280,10 @@ def json_values(nulls: bool) -> st.SearchStrategy[Any]:
     )
 
 
+# Built once: a recursive strategy built per draw costs more than the draw.
+JSON_VALUES = {nulls: json_values(nulls) for nulls in (True, False)}
+
+
 @st.composite
 def mutated_values(
     draw: st.DrawFn, nulls: bool = True
@@ -304,7 +308,7 @@ def mutated_values(
         elif action == "null" and isinstance(node, dict):
             node[path[-1]] = None
         else:
-            node[path[-1]] = draw(json_values(nulls))
+            node[path[-1]] = draw(JSON_VALUES[nulls])
     return name, user, coalesce(DEFAULTS, user)
 
 

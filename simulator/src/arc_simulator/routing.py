@@ -386,6 +386,14 @@ def check_replicas(replicas: int) -> None:
         raise RoutingError(f"replicas must be between 1 and {MAX_REPLICAS}, got {replicas}")
 
 
+def router_factory(name: str) -> RouterFactory:
+    """The registered router ``name`` (case and surrounding blanks ignored)."""
+    factory = ROUTERS.get(name.strip().lower())
+    if factory is None:
+        raise RoutingError(f"unknown router {name!r}; valid routers: {', '.join(ROUTERS)}")
+    return factory
+
+
 def make_router(
     name: str,
     replicas: int,
@@ -403,9 +411,7 @@ def make_router(
     """
     check_replicas(replicas)
     check_temperature(temperature)
-    factory = ROUTERS.get(name.strip().lower())
-    if factory is None:
-        raise RoutingError(f"unknown router {name!r}; valid routers: {', '.join(ROUTERS)}")
+    factory = router_factory(name)
     if factory is KvAwareRouter:
         return KvAwareRouter(replicas, seed, temperature)
     if factory is CacheAwareRouter:
