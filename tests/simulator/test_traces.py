@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 
 import pytest
@@ -168,6 +169,28 @@ def test_missing_file_is_an_error(tmp_path) -> None:
 def test_unknown_format_name_lists_the_valid_ones(write_lines) -> None:
     with pytest.raises(TraceError, match="valid: auto, mooncake, bailian"):
         load_trace(write_lines([mooncake(0, [1])]), "csv")
+
+
+@pytest.mark.parametrize("collecting", [True, False])
+@pytest.mark.parametrize("readable", [True, False])
+def test_loading_leaves_the_garbage_collector_as_it_found_it(
+    write_lines, collecting: bool, readable: bool
+) -> None:
+    """load_trace pauses the collector while it reads, and gives it back as it was, also
+    when the trace is refused."""
+    lines = [mooncake(0, [1])] if readable else [mooncake(0, [1]), "oops"]
+    path = write_lines(lines)
+    was = gc.isenabled()
+    (gc.enable if collecting else gc.disable)()
+    try:
+        if readable:
+            assert len(load_trace(path)) == 1
+        else:
+            with pytest.raises(TraceError, match=":2: "):
+                load_trace(path)
+        assert gc.isenabled() is collecting
+    finally:
+        (gc.enable if was else gc.disable)()
 
 
 def test_sample_trace_in_the_repo_reads_whole() -> None:
