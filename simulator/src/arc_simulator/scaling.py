@@ -138,7 +138,7 @@ class ScaleConfig:
             check_replicas(count)
         check_temperature(self.temperature)
         for name in self.routers:
-            router_factory(name)  # a name check: building a ring per parser costs milliseconds
+            router_factory(name)  # the name only: a built router (a hash ring) costs milliseconds
         for name in self.policies:
             build_policy(name, 1, [])
             check_fleet(name, max(self.replicas))
