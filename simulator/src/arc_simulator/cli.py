@@ -38,7 +38,7 @@ from arc_simulator.generate import (
     write_generated,
 )
 from arc_simulator.report import plot, table, to_json
-from arc_simulator.routing import make_router, router_names
+from arc_simulator.routing import check_router, router_names
 from arc_simulator.scaling import (
     add_load_arguments,
     add_scale_command,
@@ -60,14 +60,14 @@ def parse_policies(text: str) -> list[str]:
     return names
 
 
-def parse_routers(text: str, replicas: int, seed: int = 0, temperature: float = 0.0) -> list[str]:
+def parse_routers(text: str, replicas: int, temperature: float = 0.0) -> list[str]:
     names = [name.strip().lower() for name in text.split(",")]
     if not all(names):
         raise UsageError(
             f"--router {text!r}: an empty name; valid routers: {', '.join(router_names())}"
         )
     for name in names:
-        make_router(name, replicas, seed, temperature)
+        check_router(name, replicas, temperature)
     return list(dict.fromkeys(names))
 
 
@@ -108,7 +108,7 @@ def _simulate(args: argparse.Namespace) -> int:
             raise UsageError(
                 f"--replicas needs --router, one or more of: {', '.join(router_names())}"
             )
-        routers = parse_routers(args.router, args.replicas, args.seed, temperature)
+        routers = parse_routers(args.router, args.replicas, temperature)
         for name in policies:
             check_fleet(name, args.replicas)
     if args.plot and not writable_folder(args.plot):

@@ -35,7 +35,13 @@ from collections.abc import Sequence
 
 from arc_serving_common.traces import TraceRequest
 from arc_simulator.belady import Belady
-from arc_simulator.routing import CacheAwareConfig, RoutingError, check_replicas, make_router
+from arc_simulator.routing import (
+    CacheAwareConfig,
+    RoutingError,
+    check_replicas,
+    check_router,
+    make_router,
+)
 from arc_simulator.simulate import (
     CostModel,
     Replica,
@@ -178,7 +184,7 @@ def fleet_sweep(
         build_policy(name, 1, [])
         check_fleet(name, replicas)
     for name in routers:
-        make_router(name, replicas, seed, temperature)
+        check_router(name, replicas, temperature)
     for capacity in capacities:
         if capacity < 1:
             raise ValueError(f"capacity must be at least 1 block, got {capacity}")

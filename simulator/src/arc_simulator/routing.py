@@ -386,8 +386,12 @@ def check_replicas(replicas: int) -> None:
         raise RoutingError(f"replicas must be between 1 and {MAX_REPLICAS}, got {replicas}")
 
 
-def router_factory(name: str) -> RouterFactory:
-    """The registered router ``name`` (case and surrounding blanks ignored)."""
+def check_router(name: str, replicas: int, temperature: float = 0.0) -> RouterFactory:
+    """The factory of router ``name`` (case and surrounding blanks ignored) after the checks
+    ``make_router`` makes, or RoutingError naming the problem; nothing is built, since a
+    ``consistent_hash`` ring costs milliseconds."""
+    check_replicas(replicas)
+    check_temperature(temperature)
     factory = ROUTERS.get(name.strip().lower())
     if factory is None:
         raise RoutingError(f"unknown router {name!r}; valid routers: {', '.join(ROUTERS)}")
@@ -409,9 +413,7 @@ def make_router(
     ``cache_aware`` holds ``cache_aware``'s thresholds (the router's defaults if None);
     ``worker_urls`` the router's ``--worker-urls``, which place ``consistent_hash``'s ring.
     """
-    check_replicas(replicas)
-    check_temperature(temperature)
-    factory = router_factory(name)
+    factory = check_router(name, replicas, temperature)
     if factory is KvAwareRouter:
         return KvAwareRouter(replicas, seed, temperature)
     if factory is CacheAwareRouter:

@@ -83,13 +83,7 @@ from arc_simulator.generate import (
     docqa,
     write_generated,
 )
-from arc_simulator.routing import (
-    RoutingError,
-    check_replicas,
-    check_temperature,
-    router_factory,
-    router_names,
-)
+from arc_simulator.routing import RoutingError, check_replicas, check_router, router_names
 from arc_simulator.simulate import (
     MAX_TIME_SCALE,
     CostModel,
@@ -136,9 +130,8 @@ class ScaleConfig:
                 raise ValueError(f"the study needs at least one of its {label}")
         for count in self.replicas:
             check_replicas(count)
-        check_temperature(self.temperature)
         for name in self.routers:
-            router_factory(name)  # the name only: a built router (a hash ring) costs milliseconds
+            check_router(name, 1, self.temperature)
         for name in self.policies:
             build_policy(name, 1, [])
             check_fleet(name, max(self.replicas))
