@@ -306,6 +306,33 @@ def test_a_bad_router_temperature_is_refused_naming_the_option(temperature) -> N
         KvAwareRouter(2, temperature=temperature)
 
 
+def test_kv_aware_session_affinity_keeps_a_session_where_it_went_whatever_the_cost() -> None:
+    router = KvAwareRouter(2, affinity_ttl_s=30)
+    view = StubView([0, 0])
+    opening = _request([1, 2], index=0, chat_id=7)
+    assert router.route(opening, view) == 0  # a session's first request: the cost rule
+    # Its next turn goes back to replica 0 though replica 1 holds the whole prompt and is idle.
+    view = StubView([5, 0], cached=[0, 3])
+    view.now = 29.0
+    follow_up = _request([1, 2, 3], index=1, chat_id=8, parent_id=7)
+    assert router.route(follow_up, view) == 0
+    # Another session takes the cost rule; so does this one after a pause beyond the TTL.
+    assert router.route(_request([1, 2, 3], index=2, chat_id=9), view) == 1
+    view.now = 59.5
+    late = _request([1, 2, 3, 4], index=3, chat_id=10, parent_id=8)
+    assert router.route(late, view) == 1
+    # Without the TTL the same follow-up takes the cost rule.
+    plain = KvAwareRouter(2)
+    assert plain.route(opening, StubView([0, 0])) == 0
+    assert plain.route(follow_up, view) == 1
+
+
+@pytest.mark.parametrize("ttl", [0, -5, 31_536_001, 2.5])
+def test_a_bad_session_affinity_ttl_is_refused(ttl) -> None:
+    with pytest.raises(RoutingError, match="session affinity TTL must be whole seconds"):
+        make_router("kv_aware", 2, affinity_ttl_s=ttl)
+
+
 def test_kv_aware_credits_blocks_from_the_end_of_the_prefill_that_computed_them() -> None:
     cost = CostModel()
     replica = Replica.of(make_policy("lru", 100), "overlapping", cost, routed=True)
@@ -359,6 +386,11 @@ def test_a_fleet_with_more_cache_hits_more(mooncake) -> None:
             "--router-temperature must be a finite number >= 0, got -0.5",
         ),
         (["--router-temperature", "1"], "--router-temperature needs --router"),
+        (
+            ["--replicas", "2", "--router", "kv_aware", "--session-affinity-ttl", "0"],
+            "the session affinity TTL must be whole seconds from 1 to 31536000, got 0",
+        ),
+        (["--session-affinity-ttl", "60"], "--session-affinity-ttl needs --router"),
     ],
 )
 def test_bad_fleet_input_exits_2_naming_the_problem(args, problem, tmp_path) -> None:
@@ -410,6 +442,8 @@ def test_router_temperature_reaches_kv_aware_from_the_command_line(capsys) -> No
     drawn = run("--router-temperature", "5000", "--seed", "3")
     assert drawn == run("--router-temperature", "5000", "--seed", "3")  # seeded
     assert drawn != run()  # temperature 0 decides otherwise
+    # The sample's requests are unlinked: their sessions follow their chains of blocks.
+    assert run("--session-affinity-ttl", "600") != run()
 
 
 def test_make_router_rejects_what_it_cannot_build() -> None:

@@ -77,6 +77,19 @@ def test_a_narrowed_study_writes_its_table_csv_json_and_plot(tmp_path: Path, cap
     assert "mooncake" in (out / "scale.txt").read_text()
 
 
+def test_session_affinity_reaches_the_study_and_its_rows(tmp_path: Path) -> None:
+    def rows(*extra: str) -> list[dict]:
+        out = tmp_path / f"scale{len(extra)}"
+        args = ("scale", "--out", str(out), "--trace", "mooncake", "--replicas", "4")
+        assert main([*args, "--router", "kv_aware", "--policy", "lru", *extra]) == 0
+        return json.loads((out / "scale.json").read_text())
+
+    plain, sticky = rows(), rows("--session-affinity-ttl", "60")
+    assert {row["affinity_ttl_s"] for row in plain} == {None}
+    assert {row["affinity_ttl_s"] for row in sticky} == {60}
+    assert [row["block_hit_rate"] for row in plain] != [row["block_hit_rate"] for row in sticky]
+
+
 def test_fixed_total_cache_is_split_over_replicas() -> None:
     assert per_replica_capacity(1000, 10, "per-replica", 4) == 100
     assert per_replica_capacity(1000, 10, "total", 4) == 25
@@ -95,6 +108,7 @@ def test_fixed_total_cache_is_split_over_replicas() -> None:
         (["--policy", "fifo"], "unknown eviction policy 'fifo'"),
         (["--capacity", "0"], "capacity must be a percent"),
         (["--router-temperature", "-1"], "--router-temperature must be a finite number >= 0"),
+        (["--session-affinity-ttl", "0"], "the session affinity TTL must be whole seconds"),
     ],
 )
 def test_bad_study_input_exits_2_before_any_work(args, problem, tmp_path: Path) -> None:

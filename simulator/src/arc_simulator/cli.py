@@ -2,7 +2,8 @@
 generate workloads, evaluate the policies and study scaling.
 
     arc-evictor simulate TRACE --policy lru,dbl,arc --capacity 1000,10% [--sequential]
-                         [--replicas N --router kv_aware,... [--router-temperature T]]
+                         [--replicas N --router kv_aware,... [--router-temperature T]
+                          [--session-affinity-ttl SECONDS]]
                          [--format auto] [--json] [--time-scale F]
                          [--prefill-tokens-per-second R] [--decode-seconds-per-token S] ...
                          [--plot FILE.png]
@@ -38,7 +39,7 @@ from arc_simulator.generate import (
     write_generated,
 )
 from arc_simulator.report import plot, table, to_json
-from arc_simulator.routing import check_router, router_names
+from arc_simulator.routing import check_affinity_ttl, check_router, router_names
 from arc_simulator.scaling import (
     add_load_arguments,
     add_scale_command,
@@ -103,6 +104,9 @@ def _simulate(args: argparse.Namespace) -> int:
     if args.router_temperature is not None and args.router is None:
         raise UsageError("--router-temperature needs --router kv_aware and --replicas N")
     temperature = 0.0 if args.router_temperature is None else args.router_temperature
+    if args.session_affinity_ttl is not None and args.router is None:
+        raise UsageError("--session-affinity-ttl needs --router kv_aware and --replicas N")
+    check_affinity_ttl(args.session_affinity_ttl)
     if args.replicas is not None:
         if args.router is None:
             raise UsageError(
@@ -129,6 +133,7 @@ def _simulate(args: argparse.Namespace) -> int:
             cost=cost,
             seed=args.seed,
             temperature=temperature,
+            affinity_ttl_s=args.session_affinity_ttl,
         )
     else:
         results = sweep(requests, policies, capacities, sequential=args.sequential, cost=cost)
@@ -257,6 +262,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         help="kv_aware: 0 (the default) takes the least cost, above 0 draws with weights "
         "exp(-(cost - least) / T), as vllm-router's flag",
+    )
+    fleet.add_argument(
+        "--session-affinity-ttl",
+        type=int,
+        metavar="SECONDS",
+        help="kv_aware: keep each session on the replica of its last request while it pauses "
+        "no longer than this, as vllm-router's --kv-aware-session-affinity-ttl-secs",
     )
     add_load_arguments(simulate)
     simulate.set_defaults(run=_simulate)

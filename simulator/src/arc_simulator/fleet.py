@@ -38,6 +38,7 @@ from arc_simulator.belady import Belady
 from arc_simulator.routing import (
     CacheAwareConfig,
     RoutingError,
+    check_affinity_ttl,
     check_replicas,
     check_router,
     make_router,
@@ -134,6 +135,7 @@ def simulate_fleet(
     temperature: float = 0.0,
     cache_aware: CacheAwareConfig | None = None,
     worker_urls: Sequence[str] | None = None,
+    affinity_ttl_s: int | None = None,
 ) -> tuple[SimulationResult, list[int]]:
     """Route ``requests`` over ``replicas`` replicas of ``capacity`` blocks each.
 
@@ -141,10 +143,13 @@ def simulate_fleet(
     replica) and the replica each request was sent to, in request order.
     ``temperature`` is the router's ``--router-temperature`` (``kv_aware`` only),
     ``cache_aware`` its ``cache_aware`` thresholds (the router's defaults if None),
-    ``worker_urls`` its ``--worker-urls`` (``consistent_hash``'s ring).
+    ``worker_urls`` its ``--worker-urls`` (``consistent_hash``'s ring), ``affinity_ttl_s``
+    its ``--kv-aware-session-affinity-ttl-secs`` (``kv_aware`` only; None: off).
     """
     check_fleet(policy_name, replicas)
-    router = make_router(router_name, replicas, seed, temperature, cache_aware, worker_urls)
+    router = make_router(
+        router_name, replicas, seed, temperature, cache_aware, worker_urls, affinity_ttl_s
+    )
     cost = cost or CostModel()
     mode = "sequential" if sequential else "overlapping"
     # One replica is never scored, so it keeps nothing for a router.
@@ -178,6 +183,7 @@ def fleet_sweep(
     cost: CostModel | None = None,
     seed: int = 0,
     temperature: float = 0.0,
+    affinity_ttl_s: int | None = None,
 ) -> list[SimulationResult]:
     """Every router, policy and per-replica capacity; inputs are checked up front."""
     for name in policies:
@@ -185,6 +191,7 @@ def fleet_sweep(
         check_fleet(name, replicas)
     for name in routers:
         check_router(name, replicas, temperature)
+    check_affinity_ttl(affinity_ttl_s)
     for capacity in capacities:
         if capacity < 1:
             raise ValueError(f"capacity must be at least 1 block, got {capacity}")
@@ -199,6 +206,7 @@ def fleet_sweep(
             cost=cost,
             seed=seed,
             temperature=temperature,
+            affinity_ttl_s=affinity_ttl_s,
         )[0]
         for capacity in capacities
         for router in routers

@@ -57,6 +57,13 @@ The rules follow the vLLM router's policies (repository vllm-project/router,
   prefill that computed it (``Replica.published_prefix``); a removal counts at
   once. Offloaded tiers, which the router discounts, do not arise: the plugin
   publishes GPU blocks only.
+  With ``affinity_ttl_s`` (the router's ``--kv-aware-session-affinity-ttl-secs``, off by
+  default) a request whose session (its ``X-Session-ID``, the load test's session key) was
+  routed within that many seconds goes where the session's last request went, whatever the
+  costs; the session's first request, and one after a longer pause, takes the cost rule.
+  Measured on the real router: with the TTL set, twelve cold prompts of one session all went
+  to one server where distinct sessions split, and a session stayed on its server when the
+  other one held the prompt's 256-token prefix.
 
 Ties go where the router's Rust iterators send them: ``min_by_key`` (least load,
 least cost) takes the lowest replica index.
@@ -312,21 +319,33 @@ class CacheAwareRouter:
 
 class KvAwareRouter:
     """vllm-router 0.1.17's prefix cost: new prefill tokens plus those in flight, times
-    the requests running plus one.
+    the requests running plus one; with ``affinity_ttl_s``, sessions stay where they went.
 
-    Invariant: ``_in_flight[r]`` maps the trace index of each request routed to
+    Invariants: ``_in_flight[r]`` maps the trace index of each request routed to
     replica ``r`` whose prefill had not completed at the last decision to the
-    prefill tokens this router counted for it (its ``new`` there).
+    prefill tokens this router counted for it (its ``new`` there). ``_affinity`` maps
+    each session routed so far to the replica and arrival time of its last request, and
+    is empty without ``affinity_ttl_s``.
     """
 
     name = "kv_aware"
 
-    def __init__(self, replicas: int, seed: int = 0, temperature: float = 0.0) -> None:
+    def __init__(
+        self,
+        replicas: int,
+        seed: int = 0,
+        temperature: float = 0.0,
+        affinity_ttl_s: int | None = None,
+    ) -> None:
         check_temperature(temperature)
+        check_affinity_ttl(affinity_ttl_s)
         self._replicas = replicas
         self.temperature = temperature
+        self.affinity_ttl_s = affinity_ttl_s
         self._rng = random.Random(seed)
         self._in_flight: list[dict[int, int]] = [{} for _ in range(replicas)]
+        self._sessions = SessionKeys()
+        self._affinity: dict[str, tuple[int, float]] = {}
 
     def costs(self, request: TraceRequest, view: FleetView) -> list[tuple[int, int]]:
         """Each replica's (cost, new prefill tokens) for ``request``, in registry order;
@@ -352,19 +371,41 @@ class KvAwareRouter:
         if self._replicas == 1:
             return 0  # the router skips scoring for a single worker
         scored = self.costs(request, view)
-        least = min(cost for cost, _ in scored)
-        if self.temperature == 0:
-            chosen = next(r for r, (cost, _) in enumerate(scored) if cost == least)
+        if self.affinity_ttl_s is None:
+            chosen = self._least_cost(scored)
         else:
-            weights = [math.exp(-(cost - least) / self.temperature) for cost, _ in scored]
-            chosen = self._rng.choices(range(self._replicas), weights)[0]
+            session = self._sessions.key(request)
+            held = self._affinity.get(session)
+            if held is not None and view.now - held[1] <= self.affinity_ttl_s:
+                chosen = held[0]
+            else:
+                chosen = self._least_cost(scored)
+            self._affinity[session] = (chosen, view.now)
         self._in_flight[chosen][request.index] = scored[chosen][1]
         return chosen
+
+    def _least_cost(self, scored: Sequence[tuple[int, int]]) -> int:
+        least = min(cost for cost, _ in scored)
+        if self.temperature == 0:
+            return next(r for r, (cost, _) in enumerate(scored) if cost == least)
+        weights = [math.exp(-(cost - least) / self.temperature) for cost, _ in scored]
+        return self._rng.choices(range(self._replicas), weights)[0]
 
 
 def check_temperature(temperature: float) -> None:
     if not (math.isfinite(temperature) and temperature >= 0):
         raise RoutingError(f"--router-temperature must be a finite number >= 0, got {temperature}")
+
+
+MAX_AFFINITY_TTL_S = 31_536_000  # the router's bound: one year
+
+
+def check_affinity_ttl(ttl_s: int | None) -> None:
+    if ttl_s is not None and not (isinstance(ttl_s, int) and 1 <= ttl_s <= MAX_AFFINITY_TTL_S):
+        raise RoutingError(
+            f"the session affinity TTL must be whole seconds from 1 to {MAX_AFFINITY_TTL_S}, "
+            f"got {ttl_s}"
+        )
 
 
 RouterFactory = Callable[[int, int], Router]
@@ -405,17 +446,20 @@ def make_router(
     temperature: float = 0.0,
     cache_aware: CacheAwareConfig | None = None,
     worker_urls: Sequence[str] | None = None,
+    affinity_ttl_s: int | None = None,
 ) -> Router:
     """A fresh router by registry name for ``replicas`` replicas.
 
-    ``temperature`` is vllm-router's ``--router-temperature``, which only ``kv_aware``
-    reads; it is checked for every router, so a bad value is refused whatever the name.
+    ``temperature`` is vllm-router's ``--router-temperature`` and ``affinity_ttl_s`` its
+    ``--kv-aware-session-affinity-ttl-secs``, which only ``kv_aware`` reads; they are
+    checked for every router, so a bad value is refused whatever the name.
     ``cache_aware`` holds ``cache_aware``'s thresholds (the router's defaults if None);
     ``worker_urls`` the router's ``--worker-urls``, which place ``consistent_hash``'s ring.
     """
     factory = check_router(name, replicas, temperature)
+    check_affinity_ttl(affinity_ttl_s)
     if factory is KvAwareRouter:
-        return KvAwareRouter(replicas, seed, temperature)
+        return KvAwareRouter(replicas, seed, temperature, affinity_ttl_s)
     if factory is CacheAwareRouter:
         return CacheAwareRouter(replicas, seed, cache_aware)
     if factory is ConsistentHashRouter:

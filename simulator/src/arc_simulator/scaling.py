@@ -43,7 +43,8 @@ capacity and how to scale.
     arc-evictor scale [--out out/scale] [--replicas 1,2,4,8,16,32]
                       [--cache per-replica,total] [--router ...] [--policy lru,arc,trio]
                       [--trace mooncake,docqa,conversation,FILE] [--capacity 10] [--sequential]
-                      [--seed 0] [--router-temperature 0] [--time-scale 1]
+                      [--seed 0] [--router-temperature 0] [--session-affinity-ttl S]
+                      [--time-scale 1]
                       [--prefill-tokens-per-second 20000] [--decode-seconds-per-token 0.02]
                       [--step-seconds 0.005] [--max-batch-tokens 1000000]
     python -m arc_simulator.scaling ...   (the same)
@@ -83,7 +84,13 @@ from arc_simulator.generate import (
     docqa,
     write_generated,
 )
-from arc_simulator.routing import RoutingError, check_replicas, check_router, router_names
+from arc_simulator.routing import (
+    RoutingError,
+    check_affinity_ttl,
+    check_replicas,
+    check_router,
+    router_names,
+)
 from arc_simulator.simulate import (
     MAX_TIME_SCALE,
     CostModel,
@@ -115,6 +122,8 @@ class ScaleConfig:
     sequential: bool = False
     seed: int = 0
     temperature: float = 0.0  # the router's --router-temperature (kv_aware only)
+    # The router's --kv-aware-session-affinity-ttl-secs (kv_aware only; None: off).
+    affinity_ttl_s: int | None = None
     time_scale: float = 1.0  # multiplies inter-arrival times (``simulate.time_scaled``)
     cost: CostModel = field(default_factory=CostModel)
 
@@ -132,6 +141,7 @@ class ScaleConfig:
             check_replicas(count)
         for name in self.routers:
             check_router(name, 1, self.temperature)
+        check_affinity_ttl(self.affinity_ttl_s)
         for name in self.policies:
             build_policy(name, 1, [])
             check_fleet(name, max(self.replicas))
@@ -206,6 +216,7 @@ def run_study(
                             cost=config.cost,
                             seed=config.seed,
                             temperature=config.temperature,
+                            affinity_ttl_s=config.affinity_ttl_s,
                         )
                         row = result.as_dict()
                         row.update(
@@ -214,6 +225,7 @@ def run_study(
                             policy=policy,
                             time_scale=config.time_scale,
                             temperature=config.temperature,
+                            affinity_ttl_s=config.affinity_ttl_s,
                         )
                         shared = config.routers if replicas == 1 else (router,)
                         rows.extend({**row, "router": name} for name in shared)
@@ -308,6 +320,7 @@ CSV_FIELDS = (
     "ttft_p99_s",
     "time_scale",
     "temperature",
+    "affinity_ttl_s",
     "offered_load",
     "max_utilisation",
     "max_peak_utilisation",
@@ -576,6 +589,14 @@ def add_scale_arguments(parser: argparse.ArgumentParser) -> None:
         help="kv_aware: 0 takes the least cost, above 0 draws with weights "
         "exp(-(cost - least) / T), as vllm-router's flag (default: %(default)s)",
     )
+    parser.add_argument(
+        "--session-affinity-ttl",
+        type=int,
+        metavar="SECONDS",
+        help="kv_aware: keep each session on the replica of its last request while it pauses "
+        "no longer than this, as vllm-router's --kv-aware-session-affinity-ttl-secs "
+        "(default: off)",
+    )
     add_load_arguments(parser)
 
 
@@ -607,6 +628,7 @@ def config_from_args(args: argparse.Namespace) -> ScaleConfig:
         sequential=args.sequential,
         seed=args.seed,
         temperature=args.router_temperature,
+        affinity_ttl_s=args.session_affinity_ttl,
         time_scale=time_scale_from_args(args),
         cost=cost_from_args(args),
     )
