@@ -126,6 +126,20 @@ def test_routing_policies_are_the_routers_choices() -> None:
             {"routing": {"args": ["--router-temperature"]}},
             "routing.args: --router-temperature must be a number >= 0, got ''",
         ),
+        (
+            {"routing": {"args": ["--kv-aware-session-affinity-ttl-secs", "0"]}},
+            "routing.args: --kv-aware-session-affinity-ttl-secs must be whole seconds from 1 to "
+            "31536000, got '0'",
+        ),
+        (
+            {"routing": {"args": ["--kv-aware-session-affinity=1.5"]}},
+            "--kv-aware-session-affinity-ttl-secs must be whole seconds from 1 to 31536000, got "
+            "'1.5'",
+        ),
+        (
+            {"routing": {"args": ["--kv-aware-session-affinity-ttl-secs", "31536001"]}},
+            "got '31536001'",
+        ),
         # kv_aware, named or by default with two replicas.
         (
             {"replicas": 2, "engineArgs": ["--kv-events-config", "{}"]},
@@ -471,6 +485,12 @@ def test_a_router_temperature_in_routing_args_replaces_the_default(given: list[s
     assert args[-len(given) :] == given
     assert parse_router_args(args).router_temperature == float(given[-1].split("=")[-1])
     assert not [arg for arg in args[: -len(given)] if arg.startswith("--router-temp")]
+
+
+def test_a_session_affinity_ttl_in_routing_args_reaches_the_router() -> None:
+    given = ["--kv-aware-session-affinity-ttl-secs", "300"]
+    args = router_container(routed("kv_aware", routing={"args": given}))["args"]
+    assert parse_router_args(args).kv_aware_session_affinity_ttl_secs == 300
 
 
 def test_only_kv_aware_gets_a_default_router_temperature() -> None:

@@ -41,7 +41,7 @@ from arc_operator.models import (
     ROUTER_TEMPERATURE,
     RoutingPolicy,
     ServingPolicySpec,
-    router_temperature_arg,
+    router_arg,
 )
 from arc_serving_common.names import API_KEY_ENV
 
@@ -90,7 +90,7 @@ def router_args(
             "--kv-event-block-size", str(spec.cache.block_size),
             "--kv-event-model", spec.model.served,
         ]  # fmt: skip
-        if router_temperature_arg(spec.routing.args) is None:
+        if router_arg(spec.routing.args, ROUTER_TEMPERATURE) is None:
             args += [ROUTER_TEMPERATURE, DEFAULT_KV_AWARE_TEMPERATURE]
     else:
         args += [

@@ -25,7 +25,7 @@ from arc_operator.models.spec import (
     SpecError,
     SwitchMode,
     parse_spec,
-    router_temperature_arg,
+    router_arg,
 )
 
 __all__ = [
@@ -41,5 +41,5 @@ __all__ = [
     "SpecError",
     "SwitchMode",
     "parse_spec",
-    "router_temperature_arg",
+    "router_arg",
 ]

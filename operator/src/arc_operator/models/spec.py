@@ -112,6 +112,10 @@ DEFAULT_FLEET_ROUTING = RoutingPolicy.KV_AWARE
 # to the first worker of the router's registry. docs/routing.md, "Measured on a local fleet".
 ROUTER_TEMPERATURE = "--router-temperature"
 DEFAULT_KV_AWARE_TEMPERATURE = f"{KV_AWARE_ROUTER_TEMPERATURE:g}"
+# kv_aware's session affinity, off unless routing.args sets it; the router's bounds (docs/
+# routing.md, "Router settings, and the default").
+SESSION_AFFINITY_TTL = "--kv-aware-session-affinity-ttl-secs"
+MAX_SESSION_AFFINITY_TTL_S = 31_536_000
 # Router flags the operator sets itself (docs/architecture.md, "Routing"); routing.args may
 # not repeat or contradict them.
 OWNED_ROUTER_ARGS = frozenset(
@@ -177,12 +181,12 @@ def _flag_in(arg: str, flags: frozenset[str], *, underscores: bool) -> str | Non
     return next((owned for owned in sorted(flags) if owned.startswith(flag)), None)
 
 
-def router_temperature_arg(args: Sequence[str]) -> str | None:
-    """The value ``args`` give ``--router-temperature`` (the last one, as argparse keeps),
-    "" for the flag with no value, None when they do not set it."""
+def router_arg(args: Sequence[str], flag: str) -> str | None:
+    """The value router ``args`` give ``flag`` (the last one, as argparse keeps), "" for
+    the flag with no value, None when they do not set it."""
     value = None
     for at, arg in enumerate(args):
-        if _flag_in(arg, frozenset({ROUTER_TEMPERATURE}), underscores=False):
+        if _flag_in(arg, frozenset({flag}), underscores=False):
             if "=" in arg:
                 value = arg.split("=", 1)[1]
             else:
@@ -196,6 +200,10 @@ def _is_temperature(text: str) -> bool:
     except ValueError:
         return False
     return math.isfinite(value) and value >= 0
+
+
+def _is_affinity_ttl(text: str) -> bool:
+    return text.isascii() and text.isdigit() and 1 <= int(text) <= MAX_SESSION_AFFINITY_TTL_S
 
 
 def _owned_flag(arg: str) -> str | None:
@@ -566,10 +574,16 @@ class ServingPolicySpec(FrozenModel):
                 f"routing.args may not set {', '.join(modes)} (another router mode than one "
                 "router over this ServingPolicy's pods)"
             )
-        temperature = router_temperature_arg(args)
+        temperature = router_arg(args, ROUTER_TEMPERATURE)
         if temperature is not None and not _is_temperature(temperature):
             problems.append(
                 f"routing.args: {ROUTER_TEMPERATURE} must be a number >= 0, got {temperature!r}"
+            )
+        ttl = router_arg(args, SESSION_AFFINITY_TTL)
+        if ttl is not None and not _is_affinity_ttl(ttl):
+            problems.append(
+                f"routing.args: {SESSION_AFFINITY_TTL} must be whole seconds from 1 to "
+                f"{MAX_SESSION_AFFINITY_TTL_S}, got {ttl!r}"
             )
         return problems
 
