@@ -131,22 +131,27 @@ def test_an_unknown_routing_policy_exits_before_anything_starts(
 
 
 @pytest.mark.parametrize(
-    ("args", "message"),
+    ("routing", "message"),
     [
-        (["--routing", "kv_aware", "--router-temperature", "-1"], "must be a number >= 0"),
-        (["--routing", "kv_aware", "--router-temperature", "nan"], "must be a number >= 0"),
-        (["--router-temperature", "5"], "--router-temperature needs --routing kv_aware"),
-        (["--routing", "cache_aware", "--cache-threshold", "1.5"], "--cache-threshold must be"),
-        (["--routing", "cache_aware", "--balance-abs-threshold", "-1"], "must be >= 0"),
-        (["--routing", "cache_aware", "--balance-rel-threshold", "0.5"], "must be a number >= 1"),
-        (["--balance-abs-threshold", "4"], "thresholds need --routing cache_aware"),
+        ("kv_aware:temperature=-1", "'kv_aware:temperature=-1': --router-temperature must be"),
+        ("kv_aware:temperature=nan", "--router-temperature must be a finite number >= 0"),
+        ("kv_aware:temperature=warm", "temperature must be a number, got 'warm'"),
+        ("kv_aware:affinity-ttl=0", "affinity TTL must be whole seconds from 1 to 31536000"),
+        ("kv_aware:affinity-ttl=1.5", "affinity-ttl must be a whole number, got '1.5'"),
+        ("kv_aware:temperature=1:temperature=2", "(it takes temperature=VALUE, affinity-ttl"),
+        ("round_robin:temperature=5", "'temperature=5' is not an argument of round_robin"),
+        ("kv_aware:cache-threshold=0.5", "'cache-threshold=0.5' is not an argument of kv_aware"),
+        ("cache_aware:cache-threshold=1.5", "--cache-threshold must be between 0 and 1"),
+        ("cache_aware:balance-abs-threshold=-1", "--balance-abs-threshold must be >= 0"),
+        ("cache_aware:balance-rel-threshold=0.5", "--balance-rel-threshold must be a number >= 1"),
+        ("kv_aware,kv_aware:temperature=1", "needs distinct comma-separated entries"),
     ],
 )
 def test_bad_router_arguments_exit_before_anything_starts(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str], message: str
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], routing: str, message: str
 ) -> None:
     with pytest.raises(SystemExit) as exit_info:
-        fleet_demo.parse_args(["--out", str(tmp_path / "o"), *args])
+        fleet_demo.parse_args(["--out", str(tmp_path / "o"), "--routing", routing])
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
@@ -164,19 +169,23 @@ def demo_requests(settings: fleet_demo.FleetDemoSettings, folder: Path) -> list[
     return load_trace(trace, block_tokens=fleet_demo.BLOCK_TOKENS)
 
 
-def test_the_prediction_follows_the_router_temperature(tmp_path: Path) -> None:
+def test_the_prediction_follows_each_entrys_router_arguments(tmp_path: Path) -> None:
     settings = fleet_demo.parse_args(
-        ["--out", str(tmp_path), "--routing", "kv_aware", "--router-temperature", "1e9"]
-    )
+        ["--out", str(tmp_path), "--routing",
+         "kv_aware:temperature=0,kv_aware:temperature=1e9,kv_aware:temperature=0:affinity-ttl=600"]
+    )  # fmt: skip
     requests = demo_requests(settings, tmp_path)
-    capacity = settings.capacity_blocks
-    (least_cost,) = fleet_demo.predict(requests, ["kv_aware"], ["lru"], capacity)
-    (drawn,) = fleet_demo.predict(
-        requests, ["kv_aware"], ["lru"], capacity, temperature=settings.router_temperature
+    least_cost, drawn, sticky = fleet_demo.predict(
+        requests, settings.routing, ["lru"], settings.capacity_blocks
     )
+    assert [p.routing for p in (least_cost, drawn, sticky)] == [
+        "kv_aware:temperature=0", "kv_aware:temperature=1e+09",
+        "kv_aware:temperature=0:affinity-ttl=600",
+    ]  # fmt: skip
     # At a temperature far above any cost difference the router draws replicas evenly at
-    # random, so it places requests unlike the least-cost rule.
-    assert drawn.shares != least_cost.shares or drawn.block_hits != least_cost.block_hits
+    # random, so it places requests unlike the least-cost rule; so does keeping sessions.
+    for other in (drawn, sticky):
+        assert other.shares != least_cost.shares or other.block_hits != least_cost.block_hits
 
 
 def test_cache_aware_thresholds_reach_the_router_and_the_prediction(tmp_path: Path) -> None:
@@ -185,22 +194,21 @@ def test_cache_aware_thresholds_reach_the_router_and_the_prediction(tmp_path: Pa
             "--out",
             str(tmp_path),
             "--routing",
-            "cache_aware",
-            "--balance-abs-threshold",
-            "0",
-            "--balance-rel-threshold",
-            "1",
+            "cache_aware,cache_aware:balance-abs-threshold=0:balance-rel-threshold=1",
         ]
     )
-    assert fleet_demo.router_args(settings) == [
+    assert [routing.label for routing in settings.routing] == [
+        "cache_aware", "cache_aware:balance-abs-threshold=0:balance-rel-threshold=1",
+    ]  # fmt: skip
+    defaults, balanced = settings.routing
+    assert defaults.router_args() == []  # the router's own defaults
+    assert balanced.router_args() == [
         "--cache-threshold", "0.3", "--balance-abs-threshold", "0", "--balance-rel-threshold",
         "1.0",
     ]  # fmt: skip
     requests = demo_requests(settings, tmp_path)
-    capacity = settings.capacity_blocks
-    (defaults,) = fleet_demo.predict(requests, ["cache_aware"], ["lru"], capacity)
-    (balanced,) = fleet_demo.predict(
-        requests, ["cache_aware"], ["lru"], capacity, cache_aware=settings.cache_aware
+    defaults, balanced = fleet_demo.predict(
+        requests, settings.routing, ["lru"], settings.capacity_blocks
     )
     # Balancing whenever loads differ at all spreads requests the prefix tree would pile up.
     assert max(balanced.shares) < max(defaults.shares)
@@ -220,10 +228,17 @@ def test_the_simulator_places_every_session_where_the_router_did(
 
 
 def test_kv_aware_runs_at_the_operators_temperature_unless_told(tmp_path: Path) -> None:
-    default = fleet_demo.parse_args(["--out", str(tmp_path)])
-    assert default.router_temperature == KV_AWARE_ROUTER_TEMPERATURE
-    assert fleet_demo.router_args(default) == ["--router-temperature", "1.0"]
-    least_cost = fleet_demo.parse_args(
-        ["--out", str(tmp_path), "--routing", "kv_aware", "--router-temperature", "0"]
+    (kv_aware,) = [
+        routing
+        for routing in fleet_demo.parse_args(["--out", str(tmp_path)]).routing
+        if routing.policy == "kv_aware"
+    ]
+    assert kv_aware.temperature == KV_AWARE_ROUTER_TEMPERATURE
+    assert kv_aware.router_args() == ["--router-temperature", "1.0"]
+    least_cost, sticky = fleet_demo.parse_routing(
+        "kv_aware:temperature=0, KV_aware : affinity-ttl = 60"
     )
-    assert fleet_demo.router_args(least_cost) == ["--router-temperature", "0.0"]
+    assert least_cost.router_args() == ["--router-temperature", "0.0"]
+    assert sticky.router_args() == [
+        "--router-temperature", "1.0", "--kv-aware-session-affinity-ttl-secs", "60",
+    ]  # fmt: skip

@@ -12,9 +12,10 @@ Steps (each printed with its wall time):
    (``arc_harness.fleet``): two servers with the arc_evictor plugin and KV events, each with a
    cache small enough that where a request lands decides whether its prefix is cached, and
    the router.
-3. For each routing policy the router is restarted with it; for each eviction policy the
-   plugin switches live, every prefix cache is emptied, and the real Locust replays the
-   whole trace through the router (``X-Session-ID`` on every request).
+3. For each routing entry the router is restarted with its policy and arguments (``--routing
+   kv_aware:temperature=0,cache_aware:cache-threshold=0.5``, see ``parse_routing``); for each
+   eviction policy the plugin switches live, every prefix cache is emptied, and the real
+   Locust replays the whole trace through the router (``X-Session-ID`` on every request).
 4. Print one table (measured next to predicted) and write it as ``fleet.md`` and
    ``fleet.json`` under ``--out``: the summed block hit rate (the plugin's block counters over
    both replicas), TTFT p50/p90 (Locust), each replica's share of requests (vLLM's request
@@ -30,7 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
+import re
 import subprocess
 import sys
 import time
@@ -71,7 +72,12 @@ from arc_simulator.generate import (
     docqa,
     write_generated,
 )
-from arc_simulator.routing import CacheAwareConfig, RoutingError
+from arc_simulator.routing import (
+    CacheAwareConfig,
+    RoutingError,
+    check_affinity_ttl,
+    check_temperature,
+)
 from arc_simulator.simulate import CostModel
 
 REPLICAS = 2
@@ -121,12 +127,125 @@ class FleetDemoError(RuntimeError):
     """A step of the fleet demo failed; the message says which and why."""
 
 
+# The arguments a ``--routing`` entry may give, by policy: kv_aware's --router-temperature and
+# --kv-aware-session-affinity-ttl-secs, cache_aware's thresholds (the router's flag names).
+CACHE_AWARE_FIELDS: dict[str, tuple[str, type[int] | type[float]]] = {
+    "cache-threshold": ("cache_threshold", float),
+    "balance-abs-threshold": ("balance_abs_threshold", int),
+    "balance-rel-threshold": ("balance_rel_threshold", float),
+}
+CACHE_AWARE_DEFAULTS = CacheAwareConfig()
+ROUTING_ARGUMENTS = {
+    "kv_aware": ("temperature", "affinity-ttl"),
+    "cache_aware": tuple(CACHE_AWARE_FIELDS),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Routing:
+    """One ``--routing`` entry: a router policy and the arguments it runs with, given alike to
+    the real router and to the simulator's prediction.
+
+    ``temperature`` and ``affinity_ttl_s`` are kv_aware's ``--router-temperature`` (the
+    operator's by default) and ``--kv-aware-session-affinity-ttl-secs`` (None: off);
+    ``cache_aware`` holds cache_aware's thresholds. Invariant: a field only another policy
+    reads keeps its default, so two entries are equal exactly when they run alike.
+    """
+
+    policy: str
+    temperature: float = KV_AWARE_ROUTER_TEMPERATURE
+    affinity_ttl_s: int | None = None
+    cache_aware: CacheAwareConfig = CACHE_AWARE_DEFAULTS
+
+    @property
+    def label(self) -> str:
+        """The entry as ``--routing`` spells it, defaults left out (``kv_aware:temperature=0``)."""
+        parts = [self.policy]
+        if self.temperature != KV_AWARE_ROUTER_TEMPERATURE:
+            parts.append(f"temperature={self.temperature:g}")
+        if self.affinity_ttl_s is not None:
+            parts.append(f"affinity-ttl={self.affinity_ttl_s}")
+        for flag, (field, _) in CACHE_AWARE_FIELDS.items():
+            value = getattr(self.cache_aware, field)
+            if value != getattr(CACHE_AWARE_DEFAULTS, field):
+                parts.append(f"{flag}={value:g}")
+        return ":".join(parts)
+
+    def router_args(self) -> list[str]:
+        """The router's flags beyond the fleet's own."""
+        if self.policy == "kv_aware":
+            args = ["--router-temperature", str(self.temperature)]
+            if self.affinity_ttl_s is not None:
+                args += ["--kv-aware-session-affinity-ttl-secs", str(self.affinity_ttl_s)]
+            return args
+        if self.policy == "cache_aware" and self.cache_aware != CACHE_AWARE_DEFAULTS:
+            return self.cache_aware.router_args()
+        return []
+
+
+def _number(entry: str, key: str, text: str, kind: type[int] | type[float]) -> int | float:
+    try:
+        return kind(text)
+    except ValueError:
+        noun = "a whole number" if kind is int else "a number"
+        raise ValueError(f"--routing {entry!r}: {key} must be {noun}, got {text!r}") from None
+
+
+def _routing(entry: str) -> Routing:
+    name, *arguments = (part.strip() for part in entry.split(":"))
+    policy = name.lower()
+    if policy not in ROUTER_POLICIES:
+        raise ValueError(f"--routing: unknown policy {name!r}; valid: {', '.join(ROUTER_POLICIES)}")
+    valid = ROUTING_ARGUMENTS.get(policy, ())
+    values: dict[str, str] = {}
+    for argument in arguments:
+        key, equals, value = (part.strip() for part in argument.partition("="))
+        if not equals or key not in valid or key in values:
+            takes = ", ".join(f"{key}=VALUE" for key in valid) or "no arguments"
+            raise ValueError(
+                f"--routing {entry!r}: {argument!r} is not an argument of {policy} "
+                f"(it takes {takes}, each once)"
+            )
+        values[key] = value
+    routing = Routing(policy)
+    try:
+        if "temperature" in values:
+            temperature = float(_number(entry, "temperature", values["temperature"], float))
+            check_temperature(temperature)
+            routing = replace(routing, temperature=temperature)
+        if "affinity-ttl" in values:
+            ttl = int(_number(entry, "affinity-ttl", values["affinity-ttl"], int))
+            check_affinity_ttl(ttl)
+            routing = replace(routing, affinity_ttl_s=ttl)
+        thresholds = {
+            field: _number(entry, flag, values[flag], kind)
+            for flag, (field, kind) in CACHE_AWARE_FIELDS.items()
+            if flag in values
+        }
+        if thresholds:
+            routing = replace(routing, cache_aware=CacheAwareConfig(**thresholds))
+    except RoutingError as exc:
+        raise ValueError(f"--routing {entry!r}: {exc}") from None
+    return routing
+
+
+def parse_routing(text: str) -> tuple[Routing, ...]:
+    """``--routing``'s comma-separated entries, each ``POLICY[:KEY=VALUE]...``; ValueError
+    naming the entry and what is wrong with it. kv_aware takes ``temperature`` and
+    ``affinity-ttl`` (seconds), cache_aware ``cache-threshold``, ``balance-abs-threshold``
+    and ``balance-rel-threshold``."""
+    routings = tuple(_routing(entry.strip()) for entry in text.split(",") if entry.strip())
+    if not routings or len(set(routings)) != len(routings):
+        raise ValueError(f"--routing needs distinct comma-separated entries, got {text!r}")
+    return routings
+
+
 @dataclass(frozen=True, slots=True)
 class FleetDemoSettings:
     """What one run does; ``parse_args`` builds it and checks every field."""
 
     out: Path
-    routing: tuple[str, ...] = DEFAULT_ROUTING
+    routing: tuple[Routing, ...] = tuple(Routing(policy) for policy in DEFAULT_ROUTING)
     eviction: tuple[str, ...] = DEFAULT_EVICTION
     capacity_blocks: int = CAPACITY_BLOCKS
     docqa: DocQAParams = DOCQA
@@ -134,9 +253,6 @@ class FleetDemoSettings:
     time_scale: float | None = None  # None: paced to the measured servers (arc_dev.pacing)
     port_base: int = PORT_BASE
     simulate_only: bool = False
-    # kv_aware's --router-temperature, router and simulator: the operator's by default.
-    router_temperature: float = KV_AWARE_ROUTER_TEMPERATURE
-    cache_aware: CacheAwareConfig | None = None  # cache_aware's thresholds, router and simulator
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,7 +302,11 @@ def parse_args(argv: Sequence[str] | None = None) -> FleetDemoSettings:
     parser.add_argument(
         "--routing",
         default=",".join(DEFAULT_ROUTING),
-        help=f"routing policies (default {','.join(DEFAULT_ROUTING)})",
+        help=f"routing policies, each POLICY[:KEY=VALUE]... (default {','.join(DEFAULT_ROUTING)})"
+        "; kv_aware takes temperature (default "
+        f"{KV_AWARE_ROUTER_TEMPERATURE:g}, the operator's) and affinity-ttl (seconds, default "
+        "off), cache_aware cache-threshold, balance-abs-threshold and balance-rel-threshold "
+        "(the router's defaults): kv_aware:temperature=0,cache_aware:cache-threshold=0.5",
     )
     parser.add_argument(
         "--eviction",
@@ -214,32 +334,15 @@ def parse_args(argv: Sequence[str] | None = None) -> FleetDemoSettings:
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of both generators")
     parser.add_argument(
-        "--router-temperature",
-        type=float,
-        default=None,
-        help="kv_aware only: the router's --router-temperature, and the simulator's (default "
-        f"{KV_AWARE_ROUTER_TEMPERATURE:g}, the operator's: the least cost, equal costs drawn at "
-        "random; 0: the first replica of least cost)",
-    )
-    defaults = CacheAwareConfig()
-    for flag, kind, default in (
-        ("--cache-threshold", float, defaults.cache_threshold),
-        ("--balance-abs-threshold", int, defaults.balance_abs_threshold),
-        ("--balance-rel-threshold", float, defaults.balance_rel_threshold),
-    ):
-        parser.add_argument(
-            flag,
-            type=kind,
-            default=None,
-            help=f"cache_aware only: the router's {flag}, and the simulator's (default {default})",
-        )
-    parser.add_argument(
         "--simulate-only",
         action="store_true",
         help="print the simulator's prediction only, start nothing",
     )
     args = parser.parse_args(argv)
-    routing = _names(args.routing, ROUTER_POLICIES, "--routing", parser)
+    try:
+        routing = parse_routing(args.routing)
+    except ValueError as exc:
+        parser.error(str(exc))
     eviction = _names(
         args.eviction, [n for n in policy_names() if n != "belady"], "--eviction", parser
     )
@@ -262,30 +365,6 @@ def parse_args(argv: Sequence[str] | None = None) -> FleetDemoSettings:
         parser.error(f"--seed must be >= 0, got {args.seed}")
     if args.out.exists() and not args.out.is_dir():
         parser.error(f"--out {args.out} exists and is not a folder")
-    temperature = (
-        KV_AWARE_ROUTER_TEMPERATURE if args.router_temperature is None else args.router_temperature
-    )
-    if not (math.isfinite(temperature) and temperature >= 0):
-        parser.error(f"--router-temperature must be a number >= 0, got {temperature}")
-    if args.router_temperature is not None and routing != ("kv_aware",):
-        parser.error("--router-temperature needs --routing kv_aware (it is kv_aware's flag)")
-    thresholds = {
-        field: value
-        for field, value in (
-            ("cache_threshold", args.cache_threshold),
-            ("balance_abs_threshold", args.balance_abs_threshold),
-            ("balance_rel_threshold", args.balance_rel_threshold),
-        )
-        if value is not None
-    }
-    cache_aware = None
-    if thresholds:
-        if routing != ("cache_aware",):
-            parser.error("the balance and cache thresholds need --routing cache_aware")
-        try:
-            cache_aware = CacheAwareConfig(**thresholds)
-        except RoutingError as exc:
-            parser.error(str(exc))
     return FleetDemoSettings(
         out=args.out,
         routing=routing,
@@ -296,8 +375,6 @@ def parse_args(argv: Sequence[str] | None = None) -> FleetDemoSettings:
         time_scale=time_scale,
         port_base=args.port_base,
         simulate_only=args.simulate_only,
-        router_temperature=temperature,
-        cache_aware=cache_aware,
     )
 
 
@@ -321,27 +398,27 @@ def mixed_requests(
 # --------------------------------------------------------------------- simulation
 def predict(
     requests: Sequence[TraceRequest],
-    routing: Sequence[str],
+    routing: Sequence[Routing],
     eviction: Sequence[str],
     capacity: int,
     cost: CostModel = COST,
-    temperature: float = 0.0,
-    cache_aware: CacheAwareConfig | None = None,
     port_base: int = PORT_BASE,
 ) -> list[Figures]:
-    """The simulator's fleet of ``REPLICAS`` replicas, overlapping mode, per pair; the
-    fleet's server URLs on ``port_base`` place ``consistent_hash``'s ring as the router's."""
+    """The simulator's fleet of ``REPLICAS`` replicas, overlapping mode, per pair, each
+    routing with its arguments; the fleet's server URLs on ``port_base`` place
+    ``consistent_hash``'s ring as the router's."""
     worker_urls = [server_url(port_base, index) for index in range(REPLICAS)]
     predictions = []
     for router in routing:
         for policy in eviction:
             result, _ = simulate_fleet(
-                requests, policy, capacity, REPLICAS, router, sequential=False, cost=cost,
-                temperature=temperature, cache_aware=cache_aware, worker_urls=worker_urls,
+                requests, policy, capacity, REPLICAS, router.policy, sequential=False,
+                cost=cost, temperature=router.temperature, cache_aware=router.cache_aware,
+                worker_urls=worker_urls, affinity_ttl_s=router.affinity_ttl_s,
             )  # fmt: skip
             predictions.append(
                 Figures(
-                    router,
+                    router.label,
                     policy,
                     result.requests,
                     result.block_queries,
@@ -462,7 +539,7 @@ def replay_pair(
 
     fleet.switch_policy(eviction)
     fleet.reset_caches()
-    run_dir = out / f"{routing}-{eviction}"
+    run_dir = out / f"{re.sub('[:=]', '-', routing)}-{eviction}"
     before = fleet.per_replica_stats()
     started = time.monotonic()
 
@@ -556,11 +633,11 @@ def write_reports(
     (out / "fleet.md").write_text(markdown_table(HEADER, rows) + "\n")
     report: dict[str, Any] = {
         "settings": {
-            "routing": list(settings.routing),
+            "routing": [routing.label for routing in settings.routing],
             "eviction": list(settings.eviction),
             "replicas": REPLICAS,
             "capacity_blocks_per_replica": settings.capacity_blocks,
-            "router_args": router_args(settings),
+            "router_args": {routing.label: routing.router_args() for routing in settings.routing},
             "docqa": asdict(settings.docqa),
             "conversation": asdict(settings.conversation),
             "time_scale": replay_pace.time_scale,
@@ -610,20 +687,9 @@ def pace_to_fleet(
     )
     scaled = [replace(r, timestamp_s=r.timestamp_s * chosen.time_scale) for r in requests]
     predictions = predict(scaled, settings.routing, settings.eviction, settings.capacity_blocks,
-                          cost, settings.router_temperature, settings.cache_aware,
-                          settings.port_base)  # fmt: skip
+                          cost, settings.port_base)  # fmt: skip
     clock.step("simulator predictions at that pace done")
     return chosen, cost, predictions
-
-
-def router_args(settings: FleetDemoSettings) -> list[str]:
-    """The router flags beyond the fleet's own: those the simulator is given too."""
-    args = []
-    if "kv_aware" in settings.routing:
-        args += ["--router-temperature", str(settings.router_temperature)]
-    if settings.cache_aware:
-        args += settings.cache_aware.router_args()
-    return args
 
 
 def run_demo(settings: FleetDemoSettings) -> int:
@@ -651,8 +717,6 @@ def run_demo(settings: FleetDemoSettings) -> int:
         scaled = [replace(r, timestamp_s=r.timestamp_s * (settings.time_scale or 1.0))
                   for r in requests]  # fmt: skip
         predictions = predict(scaled, settings.routing, settings.eviction, settings.capacity_blocks,
-                              temperature=settings.router_temperature,
-                              cache_aware=settings.cache_aware,
                               port_base=settings.port_base)  # fmt: skip
         header = ["routing", "eviction", "sim hit", "sim TTFT p50 ms", "sim TTFT p90 ms",
                   "sim shares"]  # fmt: skip
@@ -665,11 +729,11 @@ def run_demo(settings: FleetDemoSettings) -> int:
         model_dir,
         work_dir=out / "fleet",
         replicas=REPLICAS,
-        policy=settings.routing[0],
+        policy=settings.routing[0].policy,
         eviction=settings.eviction[0],
         capacity_blocks=settings.capacity_blocks,
         port_base=settings.port_base,
-        router_args=router_args(settings),
+        router_args=settings.routing[0].router_args(),
     )
     runs: list[Figures] = []
     try:
@@ -680,12 +744,15 @@ def run_demo(settings: FleetDemoSettings) -> int:
             )
             replay_pace, cost, predictions = pace_to_fleet(fleet, requests, settings, clock)
             for routing in settings.routing:
-                if fleet.router.policy != routing:
-                    fleet.router.restart(routing)
+                if (fleet.router.policy, fleet.router.extra_args) != (
+                    routing.policy,
+                    routing.router_args(),
+                ):
+                    fleet.router.restart(routing.policy, routing.router_args())
                 for eviction in settings.eviction:
                     run = replay_pair(
                         fleet,
-                        routing,
+                        routing.label,
                         eviction,
                         trace_path,
                         out,
@@ -698,7 +765,7 @@ def run_demo(settings: FleetDemoSettings) -> int:
                     )
                     runs.append(run)
                     clock.step(
-                        f"{routing}/{eviction}: block hit {_rate(run.block_hit_rate)}, "
+                        f"{routing.label}/{eviction}: block hit {_rate(run.block_hit_rate)}, "
                         f"TTFT p50 {_ms(run.ttft_p50_s)} ms, shares "
                         f"{_shares(run.shares)} ({run.seconds:.0f} s)"
                     )
@@ -724,8 +791,8 @@ __all__ = [
     "main",
     "mean_in_flight",
     "mixed_requests",
+    "parse_routing",
     "predict",
-    "router_args",
 ]
 
 if __name__ == "__main__":

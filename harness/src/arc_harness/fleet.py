@@ -434,13 +434,18 @@ class FleetRouter:
         """SIGKILL (no clean shutdown)."""
         self._signal_stop(signal.SIGKILL, 15.0)
 
-    def restart(self, policy: str | None = None) -> FleetRouter:
-        """Stop the router and start it again, with ``policy`` if given (same workers)."""
+    def restart(
+        self, policy: str | None = None, extra_args: Sequence[str] | None = None
+    ) -> FleetRouter:
+        """Stop the router and start it again (same workers), with ``policy`` and
+        ``extra_args`` in place of the current ones where given."""
         if policy is not None:
             check_router_policy(policy)
         self.stop()
         if policy is not None:
             self.policy = policy
+        if extra_args is not None:
+            self.extra_args = list(extra_args)
         return self.start()
 
     def metrics(self) -> Samples:
