@@ -50,24 +50,18 @@ demo-fleet: $(STAMP)
 
 # Everything, in four runs that together run every test once: the tests that start no server
 # and no cluster, spread over every core; the server tests (vLLM, Locust, marked slow), two
-# modules at a time, and beside them tests/cluster on a local control plane (built from Go
-# modules: see cluster/README.md), since most of their time is spent waiting on paced
-# replays, alert timers, start-ups and the control plane (the cluster's report follows the
-# servers'); then the server tests marked exclusive, alone, since they judge latency or
-# timing against fixed bounds. Each run lists its 15 slowest tests.
+# modules at a time, since most of a module's time is spent waiting on paced replays, alert
+# timers and start-ups; the server tests marked exclusive, alone, since they judge latency or
+# timing against fixed bounds; then tests/cluster on a local control plane (built from Go
+# modules: see cluster/README.md), which times what it observes too. Each run lists its 15
+# slowest tests.
 SERVER_TESTS := vllm or locust or slow
 test: $(STAMP) tools cluster-binaries cluster-crds
 	$(PY) -m pytest -n auto -m "not ($(SERVER_TESTS))" --ignore=tests/cluster --durations=15
-	@mkdir -p $(OUT)
-	$(PY) -m pytest tests/cluster --durations=15 > $(OUT)/test-cluster.log 2>&1 & cluster=$$!; \
-	trap 'kill $$cluster 2>/dev/null' INT TERM; \
 	$(PY) -m pytest -n 2 --dist loadfile -m "($(SERVER_TESTS)) and not exclusive" \
-		--ignore=tests/cluster --durations=15; servers=$$?; \
-	wait $$cluster; cluster_status=$$?; \
-	echo "tests/cluster, run beside the server tests ($(OUT)/test-cluster.log):"; \
-	cat $(OUT)/test-cluster.log; \
-	[ $$servers -eq 0 ] && [ $$cluster_status -eq 0 ]
+		--ignore=tests/cluster --durations=15
 	$(PY) -m pytest -m exclusive --ignore=tests/cluster --durations=15
+	$(PY) -m pytest tests/cluster --durations=15
 
 # The fast tier for a developer's loop: everything that starts no vLLM server, no Locust run
 # and nothing else marked slow, with a tenth of each fuzz target's cases, on every core.
