@@ -277,15 +277,6 @@ async def operate(options: Options) -> int:
         await api.close()
 
 
-def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
-    """uvloop when installed, as ``kopf run`` uses it."""
-    try:
-        import uvloop
-    except ImportError:
-        return None
-    return uvloop.new_event_loop
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     options = parse_args(argv)
     # As `kopf run` logs: each object's messages prefixed with its namespace/name.
@@ -294,7 +285,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     # A bad ARC_OPERATOR_* setting stops the import, naming it, before any election.
     importlib.import_module(HANDLERS)
-    with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+    # asyncio's own loop, the one the operator image has, even where uvloop is installed (as
+    # `kopf run` would take it): under uvloop an operator cut off from the API server died of
+    # SIGABRT amid "Bad file descriptor" connect errors instead of exiting 1 at its deadline.
+    with asyncio.Runner() as runner:
         return runner.run(operate(options))
 
 
