@@ -12,6 +12,8 @@ What the router does, measured here:
   restart is a placement miss afterwards, and one cached after it is a hit;
 - a replica whose event stream is silent stays in the pool: its cached prefixes are
   placement misses, and requests spread over the replicas by load;
+- with ``--kv-aware-session-affinity-ttl-secs``, every request of one ``X-Session-ID`` goes to
+  the server its session's first request went to;
 - a SIGKILLed replica fails only the streams it was serving at the kill; the router retries
   every later request that it sends there (connection refused) on the survivor.
 
@@ -103,12 +105,18 @@ def lookups(router: FleetRouter) -> dict[str, float]:
     return {result: router_total(router, LOOKUPS, result=result) for result in ("hit", "miss")}
 
 
-def routed(fleet: Fleet, tokens: list[int], router: FleetRouter | None = None) -> dict[str, Any]:
-    """Send one request through a router (the fleet's by default); returns which server
-    answered it and the router's placement lookup for it."""
+def routed(
+    fleet: Fleet,
+    tokens: list[int],
+    router: FleetRouter | None = None,
+    session: str | None = None,
+) -> dict[str, Any]:
+    """Send one request through a router (the fleet's by default), with ``X-Session-ID:
+    session`` if given; returns which server answered it and the router's placement lookup
+    for it."""
     router = router or fleet.router
     requests_before, hits_before = worker_requests(fleet), lookups(router)
-    fleet.complete(tokens, url=router.url)
+    fleet.complete(tokens, url=router.url, session=session)
     deadline = time.monotonic() + COUNTER_TIMEOUT_S
     while True:  # vLLM counts a request just after it answers
         served = [after - before for before, after in
@@ -290,6 +298,28 @@ def test_silent_event_stream_degrades_to_load_balancing(ready_fleet: Fleet, tmp_
         print(f"silent stream of server {B}: 16 new prompts split {spread} over the servers")
     finally:
         router.stop()
+
+
+def test_session_affinity_keeps_a_session_on_its_server_whatever_the_costs(
+    ready_fleet: Fleet,
+) -> None:
+    """``--kv-aware-session-affinity-ttl-secs`` keys on ``X-Session-ID``, as the simulator's
+    ``kv_aware`` models it (docs/routing.md, "kv_aware details"). At a temperature that makes
+    every cost-based choice a coin toss, one session's cold prompts all go to one server, and
+    distinct sessions' spread (each outcome has odds of 1 in 2,048 by chance)."""
+    fleet = ready_fleet
+    plain_args = list(fleet.router.extra_args)
+    coin_toss = ["--router-temperature", "1e12"]
+    fleet.router.restart(
+        "kv_aware", [*plain_args, *coin_toss, "--kv-aware-session-affinity-ttl-secs", "600"]
+    )
+    try:
+        one_session = {routed(fleet, prompt(700 + n), session="one")["server"] for n in range(12)}
+        distinct = {routed(fleet, prompt(800 + n), session=f"s{n}")["server"] for n in range(12)}
+    finally:
+        fleet.router.restart("kv_aware", plain_args)
+    assert len(one_session) == 1
+    assert distinct == {A, B}
 
 
 def test_killed_replica_fails_only_its_in_flight_streams(
