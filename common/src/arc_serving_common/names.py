@@ -36,6 +36,9 @@ POLICY_FILE_KEY = "policy"
 # The vLLM router's kv_aware temperature a fleet runs with unless told otherwise: the operator
 # passes it to the router, and the fleet demo and its prediction use it (docs/routing.md).
 KV_AWARE_ROUTER_TEMPERATURE = 1.0
+# The vLLM router's bound on kv_aware's session affinity TTL, in whole seconds from 1: the
+# operator checks routing.args against it, the simulator its --session-affinity-ttl.
+MAX_SESSION_AFFINITY_TTL_S = 31_536_000
 
 
 def policy_file_text(policy: str) -> str:

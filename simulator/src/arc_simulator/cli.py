@@ -39,7 +39,7 @@ from arc_simulator.generate import (
     write_generated,
 )
 from arc_simulator.report import plot, table, to_json
-from arc_simulator.routing import check_affinity_ttl, check_router, router_names
+from arc_simulator.routing import check_router, router_names
 from arc_simulator.scaling import (
     add_load_arguments,
     add_scale_command,
@@ -61,14 +61,16 @@ def parse_policies(text: str) -> list[str]:
     return names
 
 
-def parse_routers(text: str, replicas: int, temperature: float = 0.0) -> list[str]:
+def parse_routers(
+    text: str, replicas: int, temperature: float = 0.0, affinity_ttl_s: int | None = None
+) -> list[str]:
     names = [name.strip().lower() for name in text.split(",")]
     if not all(names):
         raise UsageError(
             f"--router {text!r}: an empty name; valid routers: {', '.join(router_names())}"
         )
     for name in names:
-        check_router(name, replicas, temperature)
+        check_router(name, replicas, temperature, affinity_ttl_s)
     return list(dict.fromkeys(names))
 
 
@@ -106,13 +108,12 @@ def _simulate(args: argparse.Namespace) -> int:
     temperature = 0.0 if args.router_temperature is None else args.router_temperature
     if args.session_affinity_ttl is not None and args.router is None:
         raise UsageError("--session-affinity-ttl needs --router kv_aware and --replicas N")
-    check_affinity_ttl(args.session_affinity_ttl)
     if args.replicas is not None:
         if args.router is None:
             raise UsageError(
                 f"--replicas needs --router, one or more of: {', '.join(router_names())}"
             )
-        routers = parse_routers(args.router, args.replicas, temperature)
+        routers = parse_routers(args.router, args.replicas, temperature, args.session_affinity_ttl)
         for name in policies:
             check_fleet(name, args.replicas)
     if args.plot and not writable_folder(args.plot):

@@ -38,7 +38,6 @@ from arc_simulator.belady import Belady
 from arc_simulator.routing import (
     CacheAwareConfig,
     RoutingError,
-    check_affinity_ttl,
     check_replicas,
     check_router,
     make_router,
@@ -190,8 +189,7 @@ def fleet_sweep(
         build_policy(name, 1, [])
         check_fleet(name, replicas)
     for name in routers:
-        check_router(name, replicas, temperature)
-    check_affinity_ttl(affinity_ttl_s)
+        check_router(name, replicas, temperature, affinity_ttl_s)
     for capacity in capacities:
         if capacity < 1:
             raise ValueError(f"capacity must be at least 1 block, got {capacity}")

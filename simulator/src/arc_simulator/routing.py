@@ -78,6 +78,7 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from arc_serving_common.names import MAX_SESSION_AFFINITY_TTL_S
 from arc_serving_common.sessions import SessionKeys
 from arc_serving_common.traces import TraceRequest
 from arc_simulator.ring_hash import fbi_hash
@@ -397,14 +398,13 @@ def check_temperature(temperature: float) -> None:
         raise RoutingError(f"--router-temperature must be a finite number >= 0, got {temperature}")
 
 
-MAX_AFFINITY_TTL_S = 31_536_000  # the router's bound: one year
-
-
 def check_affinity_ttl(ttl_s: int | None) -> None:
-    if ttl_s is not None and not (isinstance(ttl_s, int) and 1 <= ttl_s <= MAX_AFFINITY_TTL_S):
+    if ttl_s is not None and not (
+        isinstance(ttl_s, int) and 1 <= ttl_s <= MAX_SESSION_AFFINITY_TTL_S
+    ):
         raise RoutingError(
-            f"the session affinity TTL must be whole seconds from 1 to {MAX_AFFINITY_TTL_S}, "
-            f"got {ttl_s}"
+            "the session affinity TTL must be whole seconds from 1 to "
+            f"{MAX_SESSION_AFFINITY_TTL_S}, got {ttl_s}"
         )
 
 
@@ -427,12 +427,15 @@ def check_replicas(replicas: int) -> None:
         raise RoutingError(f"replicas must be between 1 and {MAX_REPLICAS}, got {replicas}")
 
 
-def check_router(name: str, replicas: int, temperature: float = 0.0) -> RouterFactory:
+def check_router(
+    name: str, replicas: int, temperature: float = 0.0, affinity_ttl_s: int | None = None
+) -> RouterFactory:
     """The factory of router ``name`` (case and surrounding blanks ignored) after the checks
     ``make_router`` makes, or RoutingError naming the problem; nothing is built, since a
     ``consistent_hash`` ring costs milliseconds."""
     check_replicas(replicas)
     check_temperature(temperature)
+    check_affinity_ttl(affinity_ttl_s)
     factory = ROUTERS.get(name.strip().lower())
     if factory is None:
         raise RoutingError(f"unknown router {name!r}; valid routers: {', '.join(ROUTERS)}")
@@ -456,8 +459,7 @@ def make_router(
     ``cache_aware`` holds ``cache_aware``'s thresholds (the router's defaults if None);
     ``worker_urls`` the router's ``--worker-urls``, which place ``consistent_hash``'s ring.
     """
-    factory = check_router(name, replicas, temperature)
-    check_affinity_ttl(affinity_ttl_s)
+    factory = check_router(name, replicas, temperature, affinity_ttl_s)
     if factory is KvAwareRouter:
         return KvAwareRouter(replicas, seed, temperature, affinity_ttl_s)
     if factory is CacheAwareRouter:

@@ -86,7 +86,6 @@ from arc_simulator.generate import (
 )
 from arc_simulator.routing import (
     RoutingError,
-    check_affinity_ttl,
     check_replicas,
     check_router,
     router_names,
@@ -140,8 +139,7 @@ class ScaleConfig:
         for count in self.replicas:
             check_replicas(count)
         for name in self.routers:
-            check_router(name, 1, self.temperature)
-        check_affinity_ttl(self.affinity_ttl_s)
+            check_router(name, 1, self.temperature, self.affinity_ttl_s)
         for name in self.policies:
             build_policy(name, 1, [])
             check_fleet(name, max(self.replicas))

@@ -20,6 +20,7 @@ from arc_serving_common.names import (
     API_KEY_ENV,
     CONFIG_ENV,
     KV_AWARE_ROUTER_TEMPERATURE,
+    MAX_SESSION_AFFINITY_TTL_S,
     POLICY_ENV,
     POLICY_NAMES,
 )
@@ -115,7 +116,6 @@ DEFAULT_KV_AWARE_TEMPERATURE = f"{KV_AWARE_ROUTER_TEMPERATURE:g}"
 # kv_aware's session affinity, off unless routing.args sets it; the router's bounds (docs/
 # routing.md, "Router settings, and the default").
 SESSION_AFFINITY_TTL = "--kv-aware-session-affinity-ttl-secs"
-MAX_SESSION_AFFINITY_TTL_S = 31_536_000
 # Router flags the operator sets itself (docs/architecture.md, "Routing"); routing.args may
 # not repeat or contradict them.
 OWNED_ROUTER_ARGS = frozenset(
