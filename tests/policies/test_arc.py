@@ -155,3 +155,16 @@ def test_ghost_queue_of_mostly_removed_keys_is_compacted() -> None:
     ghosts.verify()  # the queue holds at most 2 x 10 + COMPACT_SLACK entries
     assert list(ghosts) == list(range(190, 200))
     assert ghosts.pop_oldest() == 190
+
+
+def test_ghost_queue_cuts_off_what_it_has_popped() -> None:
+    ghosts = GhostList()
+    for key in range(1_000):
+        ghosts.append(key)
+    popped = [ghosts.pop_oldest() for _ in range(900)]
+    ghosts.verify()  # the popped prefix is at most COMPACT_SLACK or the entries left
+    assert popped == list(range(900))
+    assert list(ghosts) == list(range(900, 1_000))
+    ghosts.append(1_000)
+    assert [ghosts.pop_oldest() for _ in range(101)] == list(range(900, 1_001))
+    ghosts.verify()

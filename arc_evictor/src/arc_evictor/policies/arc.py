@@ -28,34 +28,44 @@ T1/B1/T2/B2.
 from __future__ import annotations
 
 import heapq
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Final
 
 from arc_evictor.policies.base import EvictionPolicy, Key
 from arc_evictor.policies.statistics import PolicyCounters, ReportsStatistics
 
-T1, T2, B1, B2 = 0, 1, 2, 3
-_LIST_NAMES = ("t1", "t2", "b1", "b2")
-_NONE = object()
+# Final: mypyc inlines the constants instead of reading the module's globals on each use.
+T1: Final = 0
+T2: Final = 1
+B1: Final = 2
+B2: Final = 3
+_LIST_NAMES: Final = ("t1", "t2", "b1", "b2")
+_NONE: Final = object()
 
 
 class GhostList:
     """Ghost keys, least recently evicted first: append, remove and pop the oldest in O(1).
 
-    A removed key's entry stays in the queue, marked stale, until it reaches the front or
-    the queue is compacted: cheaper than an ``OrderedDict``, which links a node per key.
+    The entries are ``_queue[_head:]``, oldest first: popping advances ``_head``, and the
+    consumed prefix is cut off in one pass once it outgrows the entries (a list indexed by
+    compiled code, where a deque would cost a method call per operation). A removed key's
+    entry stays, marked stale, until it reaches the front or the entries are compacted:
+    cheaper than an ``OrderedDict``, which links a node per key.
 
     Invariants (``verify``):
     - ``len(self)`` counts the live keys, each once;
     - a key's ``_stale[key]`` stale entries all come before its live entry, if it has one,
       so the first entry of a key that is not stale is its live one;
-    - the queue holds at most twice the live keys plus ``COMPACT_SLACK`` entries.
+    - the entries number at most twice the live keys plus ``COMPACT_SLACK``;
+    - the consumed prefix is at most ``COMPACT_SLACK`` or the number of entries.
     """
 
-    COMPACT_SLACK = 64
+    COMPACT_SLACK: Final = 64
 
     def __init__(self) -> None:
-        self._queue: deque[Key] = deque()
+        self._queue: list[Key] = []
+        self._head = 0
         self._stale: dict[Key, int] = {}
         self._size = 0
 
@@ -65,7 +75,9 @@ class GhostList:
     def __iter__(self) -> Iterator[Key]:
         """The live keys, least recently evicted first."""
         skip = dict(self._stale)
-        for key in self._queue:
+        queue = self._queue
+        for index in range(self._head, len(queue)):
+            key = queue[index]
             stale = skip.get(key, 0)
             if stale:
                 skip[key] = stale - 1
@@ -81,34 +93,44 @@ class GhostList:
         """Drop ``key``, which is in the list."""
         self._size -= 1
         self._stale[key] = self._stale.get(key, 0) + 1
-        if len(self._queue) > 2 * self._size + self.COMPACT_SLACK:
-            live = list(self)
-            self._queue = deque(live)
+        if len(self._queue) - self._head > 2 * self._size + self.COMPACT_SLACK:
+            self._queue = list(self)
+            self._head = 0
             self._stale.clear()
 
     def pop_oldest(self) -> Key:
         """Drop and return the least recently evicted key; the list is not empty."""
         queue, stale = self._queue, self._stale
+        head = self._head
         while True:
-            key = queue.popleft()
-            count = stale.get(key, 0)
+            key = queue[head]
+            head += 1
+            count = stale.get(key, 0) if stale else 0
             if not count:
-                self._size -= 1
-                return key
+                break
             if count == 1:
                 del stale[key]
             else:
                 stale[key] = count - 1
+        if head > self.COMPACT_SLACK and 2 * head > len(queue):
+            del queue[:head]
+            head = 0
+        self._head = head
+        self._size -= 1
+        return key
 
     def clear(self) -> None:
         self._queue.clear()
+        self._head = 0
         self._stale.clear()
         self._size = 0
 
     def verify(self) -> None:
         live = list(self)
+        entries = len(self._queue) - self._head
         assert len(live) == self._size == len(set(live)), "ghost list count out of step"
-        assert len(self._queue) <= 2 * self._size + self.COMPACT_SLACK, "ghost queue not compacted"
+        assert entries <= 2 * self._size + self.COMPACT_SLACK, "ghost queue not compacted"
+        assert self._head <= max(self.COMPACT_SLACK, entries), "ghost queue prefix not cut off"
 
 
 class ARC(EvictionPolicy, ReportsStatistics):
@@ -277,10 +299,12 @@ class ARC(EvictionPolicy, ReportsStatistics):
                 if free:
                     free -= 1
                 else:
-                    victim = self.to_evict()
-                    if victim is None:
+                    order = self._replace_order()
+                    if not order:
                         raise self.no_victim()
-                    from_t1 += self._to_ghost(victim)
+                    # to_evict and evict in one step: the victim is the order's head.
+                    victim = order.popitem(last=False)[0]
+                    from_t1 += self._to_ghost_from(victim, order is self._t1)
                     victims.append(victim)
                 if key is not None:
                     if resident:
@@ -302,37 +326,37 @@ class ARC(EvictionPolicy, ReportsStatistics):
             else:
                 t2[key] = self._clock
 
-    def to_evict(self) -> Key | None:
+    def _replace_order(self) -> OrderedDict[Key, int]:
+        """The unpinned order REPLACE evicts the head of: T1's or T2's, or the other one when
+        that one has no unpinned key (the pinned fallback); empty when neither has one."""
         t1_size = self._t1_size
         if t1_size and (t1_size > self._p or (t1_size == self._p and self._pending_ghost == B2)):
             first, second = self._t1, self._t2
         else:
             first, second = self._t2, self._t1
-        # The pinned fallback: REPLACE's list has no unpinned block, so the other one gives it.
-        if first:
-            return next(iter(first))
-        if second:
-            return next(iter(second))
-        return None
+        return first if first else second
+
+    def to_evict(self) -> Key | None:
+        return next(iter(self._replace_order()), None)
 
     def evict(self, key: Key) -> None:
-        from_t1 = self._to_ghost(key)
+        from_t1 = self._where[key] == T1
+        del (self._t1 if from_t1 else self._t2)[key]
+        self._to_ghost_from(key, from_t1)
         self._count_evictions(int(from_t1), int(not from_t1))
 
-    def _to_ghost(self, key: Key) -> bool:
-        """Move evicted ``key`` from T1 to B1 or from T2 to B2; True when it was in T1."""
-        where = self._where
-        if where[key] == T1:
-            del self._t1[key]
+    def _to_ghost_from(self, key: Key, from_t1: bool) -> bool:
+        """Evicted ``key``, already out of its order, becomes a B1 ghost if it was in T1, else
+        a B2 ghost; returns ``from_t1``."""
+        if from_t1:
             self._t1_size -= 1
             self._b1.append(key)
-            where[key] = B1
-            return True
-        del self._t2[key]
-        self._t2_size -= 1
-        self._b2.append(key)
-        where[key] = B2
-        return False
+            self._where[key] = B1
+        else:
+            self._t2_size -= 1
+            self._b2.append(key)
+            self._where[key] = B2
+        return from_t1
 
     def _count_evictions(self, from_t1: int, from_t2: int) -> None:
         evictions = self.counters.evictions

@@ -28,12 +28,13 @@ from __future__ import annotations
 import heapq
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
+from typing import Final
 
 from arc_evictor.policies.base import EvictionPolicy, Key, PolicyError
 from arc_evictor.policies.statistics import PolicyCounters, ReportsStatistics
 
 # Counts above this carry no extra information: the hottest blocks never leave anyway.
-MAX_COUNT = 255
+MAX_COUNT: Final = 255
 
 
 class FrequencyOrder:

@@ -42,12 +42,13 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterator
+from typing import Final
 
 from arc_evictor.policies.base import EvictionPolicy, Key, PolicyError
 from arc_evictor.policies.statistics import PolicyCounters, ReportsStatistics
 
 # Main's counters act as a 2-bit clock: a re-queued block keeps at most 2 hits.
-_MAIN_FREQ_CAP = 3
+_MAIN_FREQ_CAP: Final = 3
 
 
 class _Fifo:

@@ -60,6 +60,7 @@ B2 and p as in arc.py), ``_counts`` (counts, history and LFU's order), ``_t2_key
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Final
 
 from arc_evictor.policies.arc import ARC
 from arc_evictor.policies.base import EvictionPolicy, Key, PolicyError
@@ -68,14 +69,16 @@ from arc_evictor.policies.lru import LRU
 from arc_evictor.policies.statistics import ReportsStatistics
 
 # Fibonacci hashing: spreads interned (consecutive) integer keys over the sample space.
-_GOLDEN = 0x9E3779B97F4A7C15
-_MASK64 = (1 << 64) - 1
+_GOLDEN: Final = 0x9E3779B97F4A7C15
+_MASK64: Final = (1 << 64) - 1
 # Each miniature holds at least this many blocks (caches below twice this sample every key).
-MIN_MINIATURE_BLOCKS = 1024
+MIN_MINIATURE_BLOCKS: Final = 1024
 # Per window, each expert's score is multiplied by this before its window hits are added.
-SCORE_DECAY = 0.95
-EXPERTS = ("arc", "lru", "lfu")
-_ARC, _LRU, _LFU = 0, 1, 2
+SCORE_DECAY: Final = 0.95
+EXPERTS: Final = ("arc", "lru", "lfu")
+_ARC: Final = 0
+_LRU: Final = 1
+_LFU: Final = 2
 
 
 def _stable_hash(key: Key) -> int:
