@@ -84,8 +84,7 @@ class LRU(EvictionPolicy, ReportsStatistics):
             if free:
                 free -= 1
             elif order:
-                victim = next(iter(order))
-                del order[victim]
+                victim = order.popitem(last=False)[0]
                 victims.append(victim)
             else:
                 raise self.no_victim()
