@@ -48,20 +48,27 @@ demo: $(STAMP) $(PROMETHEUS)
 demo-fleet: $(STAMP)
 	$(PY) -m arc_dev.fleet_demo --out $(OUT)/demo-fleet
 
-# Everything, in four runs that together run every test once: the tests that start no server
+# Everything, in three steps that together run every test once: the tests that start no server
 # and no cluster, spread over every core; the server tests (vLLM, Locust, marked slow), two
-# modules at a time, since most of a module's time is spent waiting on paced replays, alert
-# timers and start-ups; the server tests marked exclusive, alone, since they judge latency or
-# timing against fixed bounds; then tests/cluster on a local control plane (built from Go
-# modules: see cluster/README.md), which times what it observes too. Each run lists its 15
-# slowest tests.
+# modules at a time, with tests/cluster on a local control plane (built from Go modules: see
+# cluster/README.md) beside them, since most of their time is spent waiting on paced replays,
+# alert timers, leases and start-ups (the cluster's report, kept in $(OUT)/test-cluster.log
+# meanwhile, follows theirs); then the server tests marked exclusive, alone, since they judge
+# latency or timing against fixed bounds. Each run lists its 15 slowest tests.
 SERVER_TESTS := vllm or locust or slow
+CLUSTER_LOG := $(OUT)/test-cluster.log
 test: $(STAMP) tools cluster-binaries cluster-crds
 	$(PY) -m pytest -n auto -m "not ($(SERVER_TESTS))" --ignore=tests/cluster --durations=15
-	$(PY) -m pytest -n 2 --dist loadfile -m "($(SERVER_TESTS)) and not exclusive" \
-		--ignore=tests/cluster --durations=15
+	@mkdir -p $(OUT)
+	@$(PY) -m pytest tests/cluster --durations=15 > $(CLUSTER_LOG) 2>&1 & cluster=$$!; \
+	  trap 'kill $$cluster 2>/dev/null' INT TERM; \
+	  echo "tests/cluster runs beside the server tests (pid $$cluster, $(CLUSTER_LOG))"; \
+	  $(PY) -m pytest -n 2 --dist loadfile -m "($(SERVER_TESTS)) and not exclusive" \
+	    --ignore=tests/cluster --durations=15; server=$$?; \
+	  wait $$cluster; clustered=$$?; \
+	  echo "===== tests/cluster ($(CLUSTER_LOG)) ====="; cat $(CLUSTER_LOG); \
+	  [ $$server -eq 0 ] && [ $$clustered -eq 0 ]
 	$(PY) -m pytest -m exclusive --ignore=tests/cluster --durations=15
-	$(PY) -m pytest tests/cluster --durations=15
 
 # The fast tier for a developer's loop: everything that starts no vLLM server, no Locust run
 # and nothing else marked slow, with a tenth of each fuzz target's cases, on every core.
