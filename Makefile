@@ -61,7 +61,6 @@ test: $(STAMP) tools cluster-binaries cluster-crds
 	$(PY) -m pytest -n auto -m "not ($(SERVER_TESTS))" --ignore=tests/cluster --durations=15
 	@mkdir -p $(OUT)
 	@$(PY) -m pytest tests/cluster --durations=15 > $(CLUSTER_LOG) 2>&1 & cluster=$$!; \
-	  trap 'kill $$cluster 2>/dev/null' INT TERM; \
 	  echo "tests/cluster runs beside the server tests (pid $$cluster, $(CLUSTER_LOG))"; \
 	  $(PY) -m pytest -n 2 --dist loadfile -m "($(SERVER_TESTS)) and not exclusive" \
 	    --ignore=tests/cluster --durations=15; server=$$?; \
