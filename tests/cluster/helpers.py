@@ -317,7 +317,9 @@ class SlowLink:
             threading.Thread(target=self._pump, args=(server, client, False), daemon=True).start()
 
     def _pump(self, source: socket.socket, sink: socket.socket, slow: bool) -> None:
-        with contextlib.suppress(OSError), selectors.DefaultSelector() as sel:
+        # A socket that cut() closed before its pump registered it has no descriptor left:
+        # the selector refuses it with ValueError, and the pump has nothing to do.
+        with contextlib.suppress(OSError, ValueError), selectors.DefaultSelector() as sel:
             sel.register(source, selectors.EVENT_READ)
             while not self._closed.is_set():
                 if not sel.select(timeout=0.5):
