@@ -53,21 +53,23 @@ demo-fleet: $(STAMP)
 # modules at a time, with tests/cluster on a local control plane (built from Go modules: see
 # cluster/README.md) beside them, since most of their time is spent waiting on paced replays,
 # alert timers, leases and start-ups (the cluster's report, kept in $(OUT)/test-cluster.log
-# meanwhile, follows theirs); then the server tests marked exclusive, alone, since they judge
-# latency or timing against fixed bounds. Each run lists its 15 slowest tests.
+# meanwhile, follows theirs); then the tests marked exclusive, servers' and cluster's, one at a
+# time with nothing beside them, since they judge latency or timing against fixed bounds. Each
+# run lists its 15 slowest tests.
 SERVER_TESTS := vllm or locust or slow
 CLUSTER_LOG := $(OUT)/test-cluster.log
 test: $(STAMP) tools cluster-binaries cluster-crds
 	$(PY) -m pytest -n auto -m "not ($(SERVER_TESTS))" --ignore=tests/cluster --durations=15
 	@mkdir -p $(OUT)
-	@$(PY) -m pytest tests/cluster --durations=15 > $(CLUSTER_LOG) 2>&1 & cluster=$$!; \
+	@$(PY) -m pytest tests/cluster -m "not exclusive" --durations=15 > $(CLUSTER_LOG) 2>&1 & \
+	  cluster=$$!; \
 	  echo "tests/cluster runs beside the server tests (pid $$cluster, $(CLUSTER_LOG))"; \
 	  $(PY) -m pytest -n 2 --dist loadfile -m "($(SERVER_TESTS)) and not exclusive" \
 	    --ignore=tests/cluster --durations=15; server=$$?; \
 	  wait $$cluster; clustered=$$?; \
 	  echo "===== tests/cluster ($(CLUSTER_LOG)) ====="; cat $(CLUSTER_LOG); \
 	  [ $$server -eq 0 ] && [ $$clustered -eq 0 ]
-	$(PY) -m pytest -m exclusive --ignore=tests/cluster --durations=15
+	$(PY) -m pytest -m exclusive --durations=15
 
 # The fast tier for a developer's loop: everything that starts no vLLM server, no Locust run
 # and nothing else marked slow, with a tenth of each fuzz target's cases, on every core.
