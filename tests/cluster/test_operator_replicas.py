@@ -39,10 +39,9 @@ from tests.cluster.helpers import (
     wait_for,
 )
 
+# The takeover tests, marked exclusive, time the lease hand-over against bounds derived from its
+# periods, so make test runs them with nothing beside them.
 pytestmark = pytest.mark.slow
-# The takeover tests time the lease hand-over against bounds derived from its periods, so make
-# test runs them with nothing beside them.
-timed_takeover = pytest.mark.exclusive
 
 POLICY_LABEL = "arcserving.io/servingpolicy"
 # What a takeover after a kill may take beyond the lease duration: the follower reads every
@@ -189,7 +188,7 @@ def test_two_operators_one_holds_the_lease_and_acts(
         assert owners == [sp["metadata"]["uid"]], obj["metadata"]["name"]
 
 
-@timed_takeover
+@pytest.mark.exclusive
 def test_a_killed_leader_is_replaced_once_its_lease_expires(
     kube: Kube,
     release: Release,
@@ -228,7 +227,7 @@ def test_a_killed_leader_is_replaced_once_its_lease_expires(
     assert writes and writes == _by(writes, follower)
 
 
-@timed_takeover
+@pytest.mark.exclusive
 def test_a_stopped_leader_releases_the_lease_and_the_follower_takes_over_at_once(
     kube: Kube,
     release: Release,
@@ -260,7 +259,7 @@ def test_a_stopped_leader_releases_the_lease_and_the_follower_takes_over_at_once
     wait_for("the change processed by the new leader", lambda: _processed(follower, ns, name))
 
 
-@timed_takeover
+@pytest.mark.exclusive
 def test_a_partitioned_leader_stops_acting_before_the_follower_takes_over(
     kube: Kube,
     release: Release,
