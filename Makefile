@@ -49,7 +49,8 @@ demo-fleet: $(STAMP)
 	$(PY) -m arc_dev.fleet_demo --out $(OUT)/demo-fleet
 
 # Everything, in three steps that together run every test once: the tests that start no server
-# and no cluster, spread over every core; the server tests (vLLM, Locust, marked slow), two
+# and no cluster, spread over every core (idle workers steal queued tests, so the long fuzz
+# targets do not end the step on one core); the server tests (vLLM, Locust, marked slow), two
 # modules at a time, with tests/cluster on a local control plane (built from Go modules: see
 # cluster/README.md) beside them, since most of their time is spent waiting on paced replays,
 # alert timers, leases and start-ups (the cluster's report, kept in $(OUT)/test-cluster.log
@@ -59,7 +60,8 @@ demo-fleet: $(STAMP)
 SERVER_TESTS := vllm or locust or slow
 CLUSTER_LOG := $(OUT)/test-cluster.log
 test: $(STAMP) tools cluster-binaries cluster-crds
-	$(PY) -m pytest -n auto -m "not ($(SERVER_TESTS))" --ignore=tests/cluster --durations=15
+	$(PY) -m pytest -n auto --dist worksteal -m "not ($(SERVER_TESTS))" --ignore=tests/cluster \
+	  --durations=15
 	@mkdir -p $(OUT)
 	@$(PY) -m pytest tests/cluster -m "not exclusive" --durations=15 > $(CLUSTER_LOG) 2>&1 & \
 	  cluster=$$!; \
@@ -74,7 +76,8 @@ test: $(STAMP) tools cluster-binaries cluster-crds
 # The fast tier for a developer's loop: everything that starts no vLLM server, no Locust run
 # and nothing else marked slow, with a tenth of each fuzz target's cases, on every core.
 test-fast: $(STAMP) tools
-	ARC_FUZZ_FRACTION=0.1 $(PY) -m pytest -n auto -m "not vllm and not locust and not slow"
+	ARC_FUZZ_FRACTION=0.1 $(PY) -m pytest -n auto --dist worksteal \
+	  -m "not vllm and not locust and not slow"
 
 # The plugin's KVCacheManager-level tests against vLLM 0.33 in a second venv. PyPI has no CPU
 # build of 0.33, and its main wheel pins torch 2.14.0 with CUDA libraries (about 9 GB). Its KV

@@ -1,6 +1,6 @@
 """A reduced ``make demo-fleet`` (docs/routing.md, "Measured on a local fleet"): the real fleet
-of two vLLM servers and the real router, every routing x eviction pair replayed by the real
-Locust on a small mixed trace. The assertions are invariants of any such run, not figures.
+of two vLLM servers and the real router, every routing policy (under one eviction policy)
+replayed by the real Locust on a small mixed trace. The assertions are invariants of any such run, not figures.
 """
 
 from __future__ import annotations
@@ -23,7 +23,9 @@ pytestmark = [pytest.mark.vllm, pytest.mark.locust, pytest.mark.slow]
 
 PORT_BASE = 27500  # the demo's default range is 27400; a test never shares it
 ROUTING = fleet_demo.DEFAULT_ROUTING
-EVICTION = fleet_demo.DEFAULT_EVICTION
+# One eviction policy: every routing policy meets the real router, and each run costs a paced
+# replay; live switching has tests of its own (tests/faults/test_live_switch.py).
+EVICTION = ("trio",)
 # The router logs each consistent_hash decision with the key it hashed (INFO level).
 HASH_DECISION = re.compile(r"Consistent hash routing: key='([^']*)' -> worker='([^']*)'")
 SESSION_KEY = "header:x-session-id:"
@@ -33,7 +35,8 @@ SESSION_KEY = "header:x-session-id:"
 def demo_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
     out = tmp_path_factory.mktemp("demo-fleet")
     settings = fleet_demo.parse_args(
-        ["--out", str(out), "--sessions", "4", "--documents", "4", "--port-base", str(PORT_BASE)]
+        ["--out", str(out), "--sessions", "4", "--documents", "4", "--port-base", str(PORT_BASE),
+         "--eviction", ",".join(EVICTION)]
     )  # fmt: skip
     assert settings.time_scale is None  # paced to the measured replicas
     assert fleet_demo.run_demo(settings) == 0
