@@ -48,30 +48,38 @@ demo: $(STAMP) $(PROMETHEUS)
 demo-fleet: $(STAMP)
 	$(PY) -m arc_dev.fleet_demo --out $(OUT)/demo-fleet
 
-# Everything, in three steps that together run every test once: the tests that start no server
-# and no cluster, spread over every core (idle workers steal queued tests, so the long fuzz
-# targets do not end the step on one core); the server tests (vLLM, Locust, marked slow), two
-# modules at a time, with tests/cluster on a local control plane (built from Go modules: see
-# cluster/README.md) beside them, since most of their time is spent waiting on paced replays,
-# alert timers, leases and start-ups (the cluster's report, kept in $(OUT)/test-cluster.log
-# meanwhile, follows theirs); then the tests marked exclusive, servers' and cluster's, one at a
-# time with nothing beside them, since they judge latency or timing against fixed bounds. Each
-# run lists its 15 slowest tests.
+# Everything, in two steps that together run every test once, each report printed in turn:
+# 1. the tests marked exclusive (the servers' and the cluster's), one at a time, since they
+#    judge latency or timing against fixed bounds; beside them, at the lowest CPU priority
+#    (nice 19), the tests that start no server and no cluster, spread over every core (idle
+#    workers steal queued tests), which so take only the CPU the exclusive tests leave idle
+#    while they wait on alert timers, replays and leases (report: $(OUT)/test-fast.log);
+# 2. the server tests (vLLM, Locust, marked slow), two modules at a time, with tests/cluster on
+#    a local control plane (built from Go modules: see cluster/README.md) beside them, since
+#    most of their time is spent waiting on paced replays, alert timers, leases and start-ups
+#    (report: $(OUT)/test-cluster.log).
+# Each run lists its 15 slowest tests; the target fails if any run failed.
 SERVER_TESTS := vllm or locust or slow
+FAST_LOG := $(OUT)/test-fast.log
 CLUSTER_LOG := $(OUT)/test-cluster.log
 test: $(STAMP) tools cluster-binaries cluster-crds
-	$(PY) -m pytest -n auto --dist worksteal -m "not ($(SERVER_TESTS))" --ignore=tests/cluster \
-	  --durations=15
 	@mkdir -p $(OUT)
-	@$(PY) -m pytest tests/cluster -m "not exclusive" --durations=15 > $(CLUSTER_LOG) 2>&1 & \
+	@nice -n 19 $(PY) -m pytest -n auto --dist worksteal -m "not ($(SERVER_TESTS))" \
+	    --ignore=tests/cluster --durations=15 > $(FAST_LOG) 2>&1 & \
+	  fast=$$!; \
+	  echo "the no-server tests run beside the exclusive ones at nice 19 ($(FAST_LOG))"; \
+	  $(PY) -m pytest -m exclusive --durations=15; exclusive=$$?; \
+	  wait $$fast; fasted=$$?; \
+	  echo "===== the no-server tests ($(FAST_LOG)) ====="; cat $(FAST_LOG); \
+	  $(PY) -m pytest tests/cluster -m "not exclusive" --durations=15 > $(CLUSTER_LOG) 2>&1 & \
 	  cluster=$$!; \
-	  echo "tests/cluster runs beside the server tests (pid $$cluster, $(CLUSTER_LOG))"; \
+	  echo "tests/cluster runs beside the server tests ($(CLUSTER_LOG))"; \
 	  $(PY) -m pytest -n 2 --dist loadfile -m "($(SERVER_TESTS)) and not exclusive" \
 	    --ignore=tests/cluster --durations=15; server=$$?; \
 	  wait $$cluster; clustered=$$?; \
 	  echo "===== tests/cluster ($(CLUSTER_LOG)) ====="; cat $(CLUSTER_LOG); \
-	  [ $$server -eq 0 ] && [ $$clustered -eq 0 ]
-	$(PY) -m pytest -m exclusive --durations=15
+	  echo "make test: exclusive $$exclusive, no-server $$fasted, server $$server, cluster $$clustered"; \
+	  [ $$exclusive -eq 0 ] && [ $$fasted -eq 0 ] && [ $$server -eq 0 ] && [ $$clustered -eq 0 ]
 
 # The fast tier for a developer's loop: everything that starts no vLLM server, no Locust run
 # and nothing else marked slow, with a tenth of each fuzz target's cases, on every core.

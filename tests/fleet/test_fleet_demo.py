@@ -1,6 +1,7 @@
 """A reduced ``make demo-fleet`` (docs/routing.md, "Measured on a local fleet"): the real fleet
 of two vLLM servers and the real router, every routing policy (under one eviction policy)
-replayed by the real Locust on a small mixed trace. The assertions are invariants of any such run, not figures.
+replayed by the real Locust on a small mixed trace. The assertions are invariants of any such
+run, not figures.
 """
 
 from __future__ import annotations
