@@ -40,7 +40,7 @@ from tests.cluster.helpers import (
 )
 
 # The takeover tests, marked exclusive, time the lease hand-over against bounds derived from its
-# periods, so make test runs them with nothing beside them.
+# periods, so make test runs them with no other test beside them at the same CPU priority.
 pytestmark = pytest.mark.slow
 
 POLICY_LABEL = "arcserving.io/servingpolicy"
