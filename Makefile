@@ -51,9 +51,9 @@ demo-fleet: $(STAMP)
 # Everything, in two steps that together run every test once, each report printed in turn:
 # 1. the tests marked exclusive (the servers' and the cluster's), one at a time, since they
 #    judge latency or timing against fixed bounds; beside them, at the lowest CPU priority
-#    (nice 19), the tests that start no server and no cluster, spread over every core (idle
-#    workers steal queued tests), which so take only the CPU the exclusive tests leave idle
-#    while they wait on alert timers, replays and leases (report: $(OUT)/test-fast.log);
+#    (nice 19) so that they take only the CPU the exclusive tests leave idle while those wait
+#    on alert timers, replays and leases, the tests that start no server and no cluster,
+#    spread over every core, idle workers stealing queued tests (report: $(OUT)/test-fast.log);
 # 2. the server tests (vLLM, Locust, marked slow), two modules at a time, with tests/cluster on
 #    a local control plane (built from Go modules: see cluster/README.md) beside them, since
 #    most of their time is spent waiting on paced replays, alert timers, leases and start-ups
