@@ -65,8 +65,8 @@ def test_requests_to_a_closed_port_fail_as_refused(model_dir: Path, tmp_path: Pa
 @pytest.mark.vllm
 def test_requests_cut_by_a_killed_server_fail_in_flight(model_dir: Path, tmp_path: Path) -> None:
     # Six long answers sent 0.1 s apart into a cache that holds all six (49 blocks each), so
-    # several streams are open together however fast the machine decodes; sent 2 s apart, a
-    # quick machine finished each answer before the next one came.
+    # several streams are open together however fast the machine decodes (two seconds apart,
+    # a quick machine would finish each answer before the next one came).
     server = FleetServer(0, model_dir, port=SERVER_PORT, api_key="key-for-this-test",
                          capacity_blocks=320, max_model_len=2048, policy="lru",
                          work_dir=tmp_path)  # fmt: skip
