@@ -97,6 +97,10 @@ def test_blank_lines_are_skipped(write_lines) -> None:
     ("line", "problem"),
     [
         ("{not json", "not valid JSON"),
+        (  # only a byte-order mark opening the file is skipped
+            '\ufeff{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": [1]}',
+            r"not valid JSON \(Unexpected UTF-8 BOM",
+        ),
         ("[1, 2]", "expected a JSON object"),
         ('{"timestamp": 0, "input_length": 5, "output_length": 1}', "missing field 'hash_ids'"),
         (json.dumps(bailian(1, -1, 0.0, [1])), "a bailian line in a mooncake trace"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 
@@ -19,3 +20,17 @@ def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
                 raise ValueError(f"key {key!r} appears twice in one object")
             seen.add(key)
     return record
+
+
+_UNIQUE_KEYS_DECODER = json.JSONDecoder(object_pairs_hook=unique_keys)
+
+
+def loads_unique(text: str) -> Any:
+    """``json.loads(text, object_pairs_hook=unique_keys)`` through one decoder built once.
+
+    ``json.loads`` builds a new decoder on every call that passes a hook, which a trace reader
+    pays on every line. Its refusal of a leading byte-order mark is kept, message and all.
+    """
+    if text.startswith("\ufeff"):
+        raise json.JSONDecodeError("Unexpected UTF-8 BOM (decode using utf-8-sig)", text, 0)
+    return _UNIQUE_KEYS_DECODER.decode(text)

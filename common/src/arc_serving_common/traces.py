@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from arc_serving_common.jsonutil import unique_keys
+from arc_serving_common.jsonutil import loads_unique
 
 TraceFormatName = Literal["mooncake", "bailian"]
 FORMATS: tuple[TraceFormatName, ...] = ("mooncake", "bailian")
@@ -44,8 +44,6 @@ MAX_HASH_ID = 2**64 - 1  # hash ids are 64-bit hashes at most
 # Bailian line missing chat_id is reported as such instead of passing as Mooncake.
 BAILIAN_KEYS = frozenset({"chat_id", "parent_chat_id", "turn", "type"})
 _JSON_BLANK = " \t\r\n"  # JSON's whitespace; a line of only these is skipped
-# Built once: json.loads with a hook builds a new decoder for every line it reads.
-_DECODER = json.JSONDecoder(object_pairs_hook=unique_keys)
 
 
 class TraceError(ValueError):
@@ -109,7 +107,7 @@ def _load_line(data: bytes) -> Any:
     except UnicodeDecodeError as error:
         raise ValueError(f"not UTF-8 text ({error.reason} at byte {error.start + 1})") from None
     try:
-        return _DECODER.decode(text)
+        return loads_unique(text)
     except json.JSONDecodeError as error:
         raise ValueError(f"not valid JSON ({error.msg})") from None
     except RecursionError:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from arc_evictor.policies import policy_names
-from arc_serving_common.jsonutil import unique_keys
+from arc_serving_common.jsonutil import loads_unique
 from arc_serving_common.names import (
     CONFIG_ENV,
     POLICY_ENV,
@@ -73,7 +73,7 @@ def read_policy_file(path: Path) -> str:
             f"{CONFIG_ENV}={path}: larger than {MAX_FILE_BYTES} bytes; expected {FILE_EXAMPLE}"
         )
     try:
-        data = json.loads(raw.decode("utf-8"), object_pairs_hook=unique_keys)
+        data = loads_unique(raw.decode("utf-8"))
     except UnicodeDecodeError as exc:
         raise PluginConfigError(f"{CONFIG_ENV}={path}: not UTF-8 text: {exc.reason}") from None
     except json.JSONDecodeError as exc:
