@@ -121,7 +121,13 @@ def _lease_only(events: list[dict[str, Any]], release: Release) -> list[tuple[st
 
 
 def _processed(operator: HostOperator, ns: str, name: str) -> bool:
+    """Whether `operator` ran one pass for an update of `ns/name` (one, also when the update
+    is the first thing it sees of the object)."""
     return f"[{ns}/{name}] Updating is processed: 1 succeeded; 0 failed." in operator.log_text()
+
+
+def _log_tail(operator: HostOperator, lines: int = 30) -> str:
+    return "\n".join(operator.log_text().splitlines()[-lines:])
 
 
 def test_two_operators_one_holds_the_lease_and_acts(
@@ -145,7 +151,11 @@ def test_two_operators_one_holds_the_lease_and_acts(
     wait_for(
         "the ConfigMap to say lru", lambda: configured_policy(kube, ns, name) == {"policy": "lru"}
     )
-    wait_for("the change processed by the leader", lambda: _processed(leader, ns, name))
+    wait_for(
+        "the change processed by the leader",
+        lambda: _processed(leader, ns, name),
+        detail=lambda: _log_tail(leader),
+    )
     changed = audit_offset(kube)
     wait_for(
         "a status report after the change",
@@ -256,7 +266,11 @@ def test_a_stopped_leader_releases_the_lease_and_the_follower_takes_over_at_once
     wait_for(
         "the ConfigMap to say lru", lambda: configured_policy(kube, ns, name) == {"policy": "lru"}
     )
-    wait_for("the change processed by the new leader", lambda: _processed(follower, ns, name))
+    wait_for(
+        "the change processed by the new leader",
+        lambda: _processed(follower, ns, name),
+        detail=lambda: _log_tail(follower),
+    )
 
 
 @pytest.mark.exclusive

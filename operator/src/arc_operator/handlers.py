@@ -267,6 +267,12 @@ async def forget_deleted_servingpolicy(
         memo["runtime"].forget(namespace, name)
 
 
+def spec_changed(diff: kopf.Diff, **_: Any) -> bool:
+    """Whether an update touches ``spec``: kopf's ``field="spec"`` filter, which would also
+    give the update handler an id of its own."""
+    return any(path[:1] == ("spec",) for _, path, _, _ in diff)
+
+
 def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
     """Register the ServingPolicy handlers on ``registry`` with ``config``."""
 
@@ -279,11 +285,13 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
     kopf.on.login(registry=registry)(login_handler)
     kopf.on.cleanup(registry=registry)(cleanup)
     resource = (GROUP, VERSION, PLURAL)
-    kopf.on.update(*resource, id=CHANGE_HANDLER_ID, field="spec", registry=registry)(
-        reconcile_on_change
-    )
+    # One id for all three, so kopf runs one pass when it mixes the resume handler into the
+    # first cause of an object it lists at start (a spec changed while no operator ran).
     for on_change in (kopf.on.create, kopf.on.resume):
         on_change(*resource, id=CHANGE_HANDLER_ID, registry=registry)(reconcile_on_change)
+    kopf.on.update(*resource, id=CHANGE_HANDLER_ID, when=spec_changed, registry=registry)(
+        reconcile_on_change
+    )
     # An index's id is the name of the kwarg that hands it to handlers.
     kopf.index(*resource, id="servingpolicy_owners", registry=registry)(servingpolicy_owners)
     kopf.index(*POD_KIND, id="serving_endpoints", labels=SERVING_POD_LABELS, registry=registry)(
