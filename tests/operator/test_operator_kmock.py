@@ -376,12 +376,17 @@ def passes_after_creation(caplog) -> list[str]:
     return [line for line in lines if not line.startswith("Creation ")]
 
 
-async def test_a_spec_changed_while_stopped_is_reconciled_once_at_start(
-    cluster, operator, caplog
-) -> None:
+async def create_arc_policy(cluster, caplog) -> None:
+    """ServingPolicy "demo" at ARC, created and handled, with kopf's INFO lines captured."""
     caplog.set_level(logging.INFO, logger="kopf.objects")
     await create_sp(cluster, "demo", make_spec(policy="ARC"))
     await eventually(lambda: handled_spec(cluster).get("policy") == "ARC")
+
+
+async def test_a_spec_changed_while_stopped_is_reconciled_once_at_start(
+    cluster, operator, caplog
+) -> None:
+    await create_arc_policy(cluster, caplog)
     await operator.stop(graceful=True)
     await edit_spec(cluster, "demo", 2, policy="LRU")
 
@@ -396,9 +401,7 @@ async def test_a_spec_changed_while_stopped_is_reconciled_once_at_start(
 async def test_a_label_edit_runs_no_pass_and_a_spec_edit_runs_one(
     cluster, operator, caplog
 ) -> None:
-    caplog.set_level(logging.INFO, logger="kopf.objects")
-    await create_sp(cluster, "demo", make_spec(policy="ARC"))
-    await eventually(lambda: handled_spec(cluster).get("policy") == "ARC")
+    await create_arc_policy(cluster, caplog)
     response = await cluster.patch(
         f"{SP_PATH}/demo",
         json={"metadata": {"labels": {"team": "search"}}},
