@@ -38,15 +38,20 @@ def read_rows(run: ReplayRun) -> list[dict]:
     return [json.loads(line) for line in run.results.read_text().splitlines()]
 
 
-def running_requests(server: FleetServer) -> float:
-    """vLLM's ``vllm:num_requests_running`` now; 0 when the server does not answer."""
+def running_and_finished(server: FleetServer) -> tuple[float, float]:
+    """vLLM's requests running now and finished so far (``vllm:num_requests_running``,
+    ``vllm:request_success_total``); (0, 0) when the server does not answer."""
     request = urllib.request.Request(server.url + "/metrics", headers=server.auth_headers)
     try:
         with urllib.request.urlopen(request, timeout=10) as response:  # nosec B310: local
             samples = parse_metrics(response.read().decode())
     except OSError:
-        return 0.0
-    return sum(value for _, value in samples.get("vllm:num_requests_running", []))
+        return 0.0, 0.0
+    running, finished = (
+        sum(value for _, value in samples.get(name, []))
+        for name in ("vllm:num_requests_running", "vllm:request_success_total")
+    )
+    return running, finished
 
 
 def test_requests_to_a_closed_port_fail_as_refused(model_dir: Path, tmp_path: Path) -> None:
@@ -64,13 +69,15 @@ def test_requests_to_a_closed_port_fail_as_refused(model_dir: Path, tmp_path: Pa
 
 @pytest.mark.vllm
 def test_requests_cut_by_a_killed_server_fail_in_flight(model_dir: Path, tmp_path: Path) -> None:
-    # Six long answers sent 0.1 s apart into a cache that holds all six (49 blocks each), so
-    # several streams are open together however fast the machine decodes (two seconds apart,
-    # a quick machine would finish each answer before the next one came).
+    # Six long answers sent 0.1 s apart into a cache that holds all six (49 blocks each): all
+    # six are in the server at once, though a machine that decodes the tiny model fast runs
+    # them one after another (the server's frontend then reaches the next request only once
+    # the stream before it ends).
     server = FleetServer(0, model_dir, port=SERVER_PORT, api_key="key-for-this-test",
                          capacity_blocks=320, max_model_len=2048, policy="lru",
                          work_dir=tmp_path)  # fmt: skip
-    trace = long_answers(tmp_path / "t.jsonl", requests=6, output_tokens=1500, spacing_s=0.1)
+    requests = 6
+    trace = long_answers(tmp_path / "t.jsonl", requests, output_tokens=1500, spacing_s=0.1)
     outcome: list[ReplayRun] = []
     with server:
         replay = threading.Thread(
@@ -82,11 +89,12 @@ def test_requests_cut_by_a_killed_server_fail_in_flight(model_dir: Path, tmp_pat
         )  # fmt: skip
         replay.start()
         deadline = time.monotonic() + 120
-        # Kill while the server itself reports two requests running. Waiting for an answer
-        # to complete instead raced on a loaded machine: the scrapes lagged until the streams
-        # open at the time had ended too, and the kill then cut none.
-        while running_requests(server) < 2:
-            assert time.monotonic() < deadline, "two requests never ran at once within 120 s"
+        # Kill while the server itself reports a request running and two unfinished, so that
+        # one is still unfinished when the kill lands after the scrape (a loaded machine's
+        # scrapes lag: waiting for an answer to complete instead let the streams open at the
+        # time end too, and the kill then cut none).
+        while (seen := running_and_finished(server))[0] < 1 or seen[1] > requests - 2:
+            assert time.monotonic() < deadline, f"no request ran with two unfinished: {seen}"
             time.sleep(0.2)
         server.kill()
         replay.join(timeout=300)
