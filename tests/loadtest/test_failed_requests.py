@@ -69,10 +69,10 @@ def test_requests_to_a_closed_port_fail_as_refused(model_dir: Path, tmp_path: Pa
 
 @pytest.mark.vllm
 def test_requests_cut_by_a_killed_server_fail_in_flight(model_dir: Path, tmp_path: Path) -> None:
-    # Six long answers sent 0.1 s apart into a cache that holds all six (49 blocks each): all
-    # six are in the server at once, though a machine that decodes the tiny model fast runs
-    # them one after another (the server's frontend then reaches the next request only once
-    # the stream before it ends).
+    # Six long answers due 0.1 s apart, into a cache that holds all six (49 blocks each). A
+    # machine that decodes the tiny model fast runs them one after another: a stream whose
+    # bytes are always ready holds back the server's frontend and the replay's next send
+    # until it ends, so two may never run at once.
     server = FleetServer(0, model_dir, port=SERVER_PORT, api_key="key-for-this-test",
                          capacity_blocks=320, max_model_len=2048, policy="lru",
                          work_dir=tmp_path)  # fmt: skip
