@@ -177,6 +177,9 @@ class HostOperator:
     def log_text(self) -> str:
         return self.log.read_text(errors="replace")
 
+    def log_tail(self, lines: int = 30) -> str:
+        return "\n".join(self.log_text().splitlines()[-lines:])
+
     def running(self) -> bool:
         return hasattr(self, "process") and self.process.poll() is None
 

@@ -126,10 +126,6 @@ def _processed(operator: HostOperator, ns: str, name: str) -> bool:
     return f"[{ns}/{name}] Updating is processed: 1 succeeded; 0 failed." in operator.log_text()
 
 
-def _log_tail(operator: HostOperator, lines: int = 30) -> str:
-    return "\n".join(operator.log_text().splitlines()[-lines:])
-
-
 def test_two_operators_one_holds_the_lease_and_acts(
     kube: Kube,
     release: Release,
@@ -154,7 +150,7 @@ def test_two_operators_one_holds_the_lease_and_acts(
     wait_for(
         "the change processed by the leader",
         lambda: _processed(leader, ns, name),
-        detail=lambda: _log_tail(leader),
+        detail=leader.log_tail,
     )
     changed = audit_offset(kube)
     wait_for(
@@ -269,7 +265,7 @@ def test_a_stopped_leader_releases_the_lease_and_the_follower_takes_over_at_once
     wait_for(
         "the change processed by the new leader",
         lambda: _processed(follower, ns, name),
-        detail=lambda: _log_tail(follower),
+        detail=follower.log_tail,
     )
 
 
