@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
-from arc_evictor.policies import make_policy, policy_names
+from arc_evictor.policies import EvictionPolicy, make_policy, policy_names
 from arc_simulator.pool import BlockPool, PoolExhausted
 
 
@@ -86,3 +88,54 @@ def test_a_fully_cached_prompt_takes_its_last_block_after_the_hits() -> None:
     # vLLM computes the last prompt token, so block 3 is cached but not a hit.
     assert pool.take([1, 2, 3], max_hits=2) == 2
     assert all(pool.is_pinned(key) for key in (1, 2, 3))
+
+
+def observed(pool: BlockPool, universe: range) -> tuple[object, ...]:
+    """What a pool and its policy show: residency, order, lists, counters, next victim."""
+    policy: EvictionPolicy = pool.policy
+    list_of = getattr(policy, "list_of", None)
+    return (
+        [key for key in universe if pool.is_cached(key)],
+        list(policy.resident_keys()),
+        policy.list_sizes(),
+        dict(policy.counters.evictions),
+        dict(policy.counters.ghost_hits),
+        [list_of(key) for key in universe] if list_of else [],
+        policy.to_evict(),
+        pool.evictions,
+    )
+
+
+@pytest.mark.parametrize("name", policy_names())
+@pytest.mark.parametrize("seed", range(2))
+def test_serve_alone_is_take_then_give_back(name: str, seed: int) -> None:
+    # Requests share prefixes (hits), others' blocks past a miss (cached blocks after the
+    # prefix), ghosts and evictions; some cap their hits below a fully cached prompt.
+    rng = random.Random(seed)
+    universe = range(80)
+    prefixes = [rng.sample(universe, rng.randrange(1, 8)) for _ in range(6)]
+    one_call, two_calls = pool_of(name, 20), pool_of(name, 20)
+    for _ in range(600):
+        keys = list(dict.fromkeys(rng.choice(prefixes) + rng.sample(universe, rng.randrange(6))))
+        max_hits = len(keys) - rng.randrange(2)
+        hits = one_call.serve_alone(keys, max_hits)
+        assert hits == two_calls.take(keys, max_hits)
+        two_calls.give_back(keys)
+        assert observed(one_call, universe) == observed(two_calls, universe)
+    one_call.verify()
+    assert one_call.evictions, "the sequence never evicted"
+
+
+def test_serve_alone_with_blocks_held_takes_and_gives_back() -> None:
+    pool = pool_of("arc", 4)
+    pool.take([1])  # held: the request is served by take and give_back
+    assert pool.serve_alone([1, 2], 2) == 1
+    assert pool.is_pinned(1) and not pool.is_pinned(2)
+    pool.verify()
+
+
+def test_serve_alone_refuses_a_request_larger_than_the_pool() -> None:
+    pool = pool_of("arc", 2)
+    with pytest.raises(PoolExhausted, match="3 blocks does not fit in 2 blocks"):
+        pool.serve_alone([1, 2, 3], 3)
+    assert pool.num_cached == 0

@@ -10,11 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from arc_evictor.policies.base import EvictionPolicy, Key
-
-
-def _no_copy(key: Key) -> Key:
-    raise AssertionError(f"policy reports {key!r} resident but the pool has it uncached")
+from arc_evictor.policies.base import EvictionPolicy, Key, refuse_copy
 
 
 class PoolExhausted(ValueError):
@@ -76,7 +72,7 @@ class BlockPool:
     def _cache_misses(self, keys: list[Key]) -> None:
         """Cache ``keys`` (head first, none of them cached), evicting once no block is free."""
         cached = self._cached
-        _entries, victims = self.policy.allocate(keys, self.capacity - len(cached), _no_copy)
+        _entries, victims = self.policy.allocate(keys, self.capacity - len(cached), refuse_copy)
         cached.difference_update(victims)
         self.evictions += len(victims)
         cached.update(keys)
@@ -138,6 +134,27 @@ class BlockPool:
         misses = [key for key in rest if key not in cached] if others_cached else list(rest)
         if misses:
             self._cache_misses(misses)
+        return hits
+
+    def serve_alone(self, keys: Sequence[Key], max_hits: int) -> int:
+        """``take`` then ``give_back`` of distinct ``keys``; returns the prefix-cache hits.
+
+        While no request holds a block (always so in sequential mode) the whole request is
+        one policy call (``EvictionPolicy.serve_alone``), which makes the calls ``take`` and
+        ``give_back`` would.
+        """
+        if self._refs:
+            hits = self.take(keys, max_hits)
+            self.give_back(keys)
+            return hits
+        if len(keys) > self.capacity:
+            raise PoolExhausted(
+                f"a request of {len(keys)} blocks does not fit in {self.capacity} blocks"
+            )
+        hits, cached, victims = self.policy.serve_alone(keys, max_hits)
+        self._cached.difference_update(victims)
+        self._cached.update(cached)
+        self.evictions += len(victims)
         return hits
 
     def give_back(self, keys: Sequence[Key]) -> None:

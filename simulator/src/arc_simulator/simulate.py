@@ -473,8 +473,7 @@ class Replica:
             count_rejected(self.result, request, pool.policy)
             return request.timestamp_s
         computed = self._computing(request) if self.routed else []
-        hits = pool.take(keys, request.max_hit_blocks)
-        pool.give_back(keys)
+        hits = pool.serve_alone(keys, request.max_hit_blocks)
         count_served(self.result, request, hits)
         if self.verify:
             pool.verify()

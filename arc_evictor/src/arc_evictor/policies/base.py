@@ -31,7 +31,9 @@ path that leaves the same state:
 - ``touch(keys, newly_pinned)``: a request commits its cached prefix (tail first);
 - ``allocate(keys, free, copy)``: a request's new blocks, tail first, with ``free``
   blocks free that hold no key (the pool evicts only once those are used up);
-- ``release(keys)``: a request's last user releases its cached keys.
+- ``release(keys)``: a request's last user releases its cached keys;
+- ``serve_alone(keys, max_hits)``: a whole request while no other holds a block (a
+  simulator's sequential mode): its ``touch``, ``allocate`` and ``release``.
 """
 
 from __future__ import annotations
@@ -51,6 +53,12 @@ except ImportError:  # mypyc reads the decorator at build time; no run-time depe
 
 
 Key = Hashable
+
+
+def refuse_copy(key: Key) -> Key:
+    """``allocate``'s ``copy`` for a caller whose keys are all uncached (a pool keyed by the
+    policy's own keys never makes a copy): a resident key is the caller's bookkeeping error."""
+    raise AssertionError(f"{key!r} is resident, yet the caller has it uncached")
 
 
 class PolicyError(ValueError):
@@ -196,6 +204,38 @@ class EvictionPolicy(ABC):
         """``unpin`` each key, in the order given (a finished request: tail first)."""
         for key in keys:
             self.unpin(key)
+
+    def serve_alone(self, keys: Sequence[Key], max_hits: int) -> tuple[int, list[Key], list[Key]]:
+        """A request of distinct ``keys`` (head first, at most ``capacity``) taken and given
+        back while no other request holds a block: the calls a pool makes, in its order.
+
+        The cached prefix (at most ``max_hits`` blocks), then the request's other cached
+        blocks, are taken tail first (``touch``, every one newly pinned); the uncached ones are
+        allocated (``allocate``, the pool's free blocks being those no key holds); then every
+        block is released tail first (``release``). Returns the prefix hits, the keys cached
+        by this request and the keys evicted for them.
+        """
+        count = len(keys)
+        hits = 0
+        while hits < count and keys[hits] in self:
+            hits += 1
+        hits = min(hits, max_hits)
+        taken: list[Key] = [keys[index] for index in range(hits - 1, -1, -1)]
+        missed: list[Key] = []
+        for index in range(count - 1, hits - 1, -1):
+            key = keys[index]
+            if key in self:
+                taken.append(key)
+            else:
+                missed.append(key)
+        missed.reverse()  # head first, as allocate takes them
+        if taken:
+            self.touch(taken, [True] * len(taken))
+        victims: list[Key] = []
+        if missed:
+            _entries, victims = self.allocate(missed, self.capacity - len(self), refuse_copy)
+        self.release(keys[::-1])
+        return hits, missed, victims
 
     def describe(self) -> str:
         """The policy with its parameters, e.g. ``s3fifo-0.10-2``."""
