@@ -184,9 +184,11 @@ class _ChainKeys:
         if parent is not None and hash_ids[: len(parent[0])] == parent[0]:
             keys.extend(parent[1])
         previous = keys[-1] if keys else -1
+        ids = self._ids
+        intern, append = ids.setdefault, keys.append  # bound once: this loop runs per block
         for block_id in hash_ids[len(keys) :]:
-            previous = self._ids.setdefault((previous, block_id), len(self._ids))
-            keys.append(previous)
+            previous = intern((previous, block_id), len(ids))
+            append(previous)
         chain = tuple(keys)
         if chat_id is not None:
             self._chats.pop(chat_id, None)  # re-inserted last: the most recent is kept longest
