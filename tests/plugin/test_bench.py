@@ -20,3 +20,6 @@ def test_bench_counts_the_same_block_operations_and_lru_decisions_for_every_pool
     assert native["hit_blocks"] == lru["hit_blocks"] > 0  # same stream, same LRU decisions
     assert native["ratio_vs_native"] == 1.0
     assert all(row["ns_per_block_op"] > 0 for row in rows)
+    assert native["policy_ns_per_block_op"] is None
+    # The policy's calls replayed alone are part of what the whole replay did.
+    assert all(0 < row["policy_ns_per_block_op"] < row["ns_per_block_op"] for row in rows[1:])
