@@ -46,8 +46,8 @@ PolicyCall = tuple[str, tuple[Any, ...]]
 
 
 class _RecordingPolicy:
-    """Stands in for a pool's policy: forwards every call and records it, arguments copied
-    (the pool reuses nothing, but a copy keeps the record independent of it)."""
+    """Stands in for a pool's policy: forwards every call and records it, with copies of its
+    list arguments."""
 
     def __init__(self, policy: EvictionPolicy, calls: list[PolicyCall]) -> None:
         self._policy = policy
@@ -68,7 +68,7 @@ class _RecordingPolicy:
         return forward
 
 
-def _requests(count: int, block_size: int, seed: int) -> list[Request]:
+def document_qa_requests(count: int, block_size: int, seed: int) -> list[Request]:
     """vLLM requests: a Zipf-chosen 8-block document, then a 2-block question of its own."""
     build = request_builder(block_size)
     rng = random.Random(seed)
@@ -106,21 +106,18 @@ def _replay(pool: BlockPool, requests: list[Request], block_size: int) -> tuple[
     return time.process_time() - started, ops, hits
 
 
-def _policy_calls(
-    policy: str, num_blocks: int, block_size: int, workload: list[Request]
+def policy_calls(
+    pool: PolicyBlockPool, block_size: int, workload: list[Request]
 ) -> list[PolicyCall]:
-    """Every call the plugin's pool makes to its ``policy`` during one replay of ``workload``."""
-    pool = build_block_pool(num_blocks, block_size, policy)
-    assert isinstance(pool, PolicyBlockPool)
+    """Every call ``pool`` makes to its policy during one replay of ``workload``."""
     calls: list[PolicyCall] = []
     pool.policy = _RecordingPolicy(pool.policy, calls)  # type: ignore[assignment]
     _replay(pool, workload, block_size)
     return calls
 
 
-def _policy_seconds(policy: str, capacity: int, calls: list[PolicyCall]) -> float:
-    """Process CPU time of ``calls`` made to a fresh ``policy``, nothing else running."""
-    fresh = make_policy(policy, capacity)
+def replay_policy_calls(fresh: EvictionPolicy, calls: list[PolicyCall]) -> float:
+    """Make ``calls`` to ``fresh``, nothing else running; their process CPU time."""
     serials = itertools.count(1)
 
     def copy_entry(key: Any) -> tuple[Any, int]:  # a further copy's entry, as the pool's
@@ -151,7 +148,7 @@ def bench_block_pool(
     The variants take turns within each repeat (native, lru, arc, trio, native, ...), so that a
     slower or busier stretch of the run falls on all of them alike.
     """
-    workload = _requests(requests, block_size, seed)
+    workload = document_qa_requests(requests, block_size, seed)
     variants: list[tuple[str, str]] = [
         ("vllm-native", "lru"),
         ("plugin", "lru"),
@@ -159,11 +156,12 @@ def bench_block_pool(
         ("plugin", "trio"),
     ]
     best: dict[tuple[str, str], tuple[float, int, int]] = {}
-    calls = {
-        policy: _policy_calls(policy, num_blocks, block_size, workload)
-        for kind, policy in variants
-        if kind == "plugin"
-    }
+    calls: dict[str, list[PolicyCall]] = {}
+    for kind, policy in variants:
+        if kind == "plugin":
+            pool = build_block_pool(num_blocks, block_size, policy)
+            assert isinstance(pool, PolicyBlockPool)
+            calls[policy] = policy_calls(pool, block_size, workload)
     policy_best = dict.fromkeys(calls, float("inf"))
     for _ in range(repeats):
         for kind, policy in variants:
@@ -175,7 +173,8 @@ def bench_block_pool(
             if (kind, policy) not in best or seconds < best[kind, policy][0]:
                 best[kind, policy] = (seconds, ops, hits)
             if kind == "plugin":
-                policy_seconds = _policy_seconds(policy, num_blocks - 1, calls[policy])
+                fresh = make_policy(policy, num_blocks - 1)  # as the pool makes its own
+                policy_seconds = replay_policy_calls(fresh, calls[policy])
                 policy_best[policy] = min(policy_best[policy], policy_seconds)
     rows: list[dict[str, Any]] = []
     for kind, policy in variants:
