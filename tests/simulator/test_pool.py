@@ -136,6 +136,8 @@ def test_serve_alone_with_blocks_held_takes_and_gives_back() -> None:
 
 def test_serve_alone_refuses_a_request_larger_than_the_pool() -> None:
     pool = pool_of("arc", 2)
-    with pytest.raises(PoolExhausted, match="3 blocks does not fit in 2 blocks"):
+    with pytest.raises(
+        PoolExhausted, match="a request of 3 blocks does not fit: 0 of 2 blocks are pinned"
+    ):
         pool.serve_alone([1, 2, 3], 3)
     assert pool.num_cached == 0

@@ -85,6 +85,16 @@ class BlockPool:
         self.policy.remove(key)
         self._cached.remove(key)
 
+    def _check_fits(self, keys: Sequence[Key]) -> None:
+        """Raise PoolExhausted unless the pool can pin every block of ``keys`` at once."""
+        pinned = len(self._refs)
+        # The exact count walks the request; most requests pass the cheap bound.
+        if pinned + len(keys) > self.capacity and pinned + self.blocks_to_pin(keys) > self.capacity:
+            raise PoolExhausted(
+                f"a request of {len(keys)} blocks does not fit: {pinned} of "
+                f"{self.capacity} blocks are pinned"
+            )
+
     def take(self, keys: Sequence[Key], max_hits: int | None = None) -> int:
         """A request takes its blocks; returns its prefix-cache hits in blocks.
 
@@ -101,13 +111,7 @@ class BlockPool:
         Raises PoolExhausted, before changing anything, when the pool cannot pin
         every block of the request at once.
         """
-        pinned = len(self._refs)
-        # The exact count walks the request; most requests pass the cheap bound.
-        if pinned + len(keys) > self.capacity and pinned + self.blocks_to_pin(keys) > self.capacity:
-            raise PoolExhausted(
-                f"a request of {len(keys)} blocks does not fit: {len(self._refs)} of "
-                f"{self.capacity} blocks are pinned"
-            )
+        self._check_fits(keys)
         hits = self.prefix_hits(keys)
         if max_hits is not None:
             hits = min(hits, max_hits)
@@ -147,10 +151,7 @@ class BlockPool:
             hits = self.take(keys, max_hits)
             self.give_back(keys)
             return hits
-        if len(keys) > self.capacity:
-            raise PoolExhausted(
-                f"a request of {len(keys)} blocks does not fit in {self.capacity} blocks"
-            )
+        self._check_fits(keys)
         hits, cached, victims = self.policy.serve_alone(keys, max_hits)
         self._cached.difference_update(victims)
         self._cached.update(cached)
