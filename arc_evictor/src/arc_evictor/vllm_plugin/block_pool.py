@@ -296,8 +296,7 @@ class PolicyBlockPool(BlockPool):
             if key is None:
                 continue  # the null block, or masked out
             known = key_of[block.block_id]
-            # An entry is its key itself but for a further copy's: one comparison, mostly.
-            if known is None or (known != key and hash_of(known) != key):
+            if known is None or hash_of(known) != key:
                 # A key decided after allocation (no Allocation, or not the predicted one).
                 self._follow_primary_hash(block, known)
 
