@@ -8,7 +8,7 @@ import random
 import re
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -113,6 +113,15 @@ class AlertRecorder:
 
     def active_between(self, start: float, end: float) -> list[AlertSeen]:
         return [a for a in self.seen if start <= a.at <= end]
+
+    def wait_until_inactive(self, names: Iterable[str], timeout_s: float) -> None:
+        """Wait until Prometheus reports none of the alerts ``names`` pending or firing."""
+        quiet = set(names)
+        self.prometheus.wait_until(
+            lambda: quiet.isdisjoint(a["labels"]["alertname"] for a in self.prometheus.alerts()),
+            timeout_s,
+            f"alerts {sorted(quiet)} inactive",
+        )
 
     def wait_for(self, wanted: Mapping[str, str], since: float, timeout_s: float) -> None:
         """Wait until each alert in ``wanted`` was seen in its state (or firing) after ``since``;

@@ -255,7 +255,10 @@ def scenario(
         load_errors += errors
         overload = (overload_start, time.time())
 
-        # 3. saturation: every KV block pinned by requests sharing a prefix, policy flapping
+        # 3. saturation: every KV block pinned by requests sharing a prefix, policy flapping. It
+        # starts with its alerts inactive: where requests decode fast, the overload's one-at-a-
+        # time prompts keep the cache full long enough for the saturation alert to fire there.
+        recorder.wait_until_inactive(SATURATION_ALERTS, ALERT_TIMEOUT_S)
         saturation_start = time.time()
         prompts = shared_prefix_prompts(PREFIX_TOKENS, SUFFIX_TOKENS, seed=2)
         with steady_load(server, prompts, SATURATION_OUTPUT, SATURATION_IN_FLIGHT) as errors:
