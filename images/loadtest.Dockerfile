@@ -4,7 +4,12 @@
 # Build from the repository root:
 #   docker build -f images/loadtest.Dockerfile -t ghcr.io/arc-serving/loadtest:0.1.0 .
 
-FROM python:3.11.11-slim-bookworm AS wheel
+# The base: the upstream Python image by default; `make images-local` passes a stand-in built
+# from Debian bookworm's own packages where no registry answers (docs/images.md).
+ARG PYTHON_IMAGE=docker.io/library/python
+ARG PYTHON_TAG=3.11.11-slim-bookworm
+
+FROM ${PYTHON_IMAGE}:${PYTHON_TAG} AS wheel
 WORKDIR /src
 RUN pip install --no-cache-dir "build==1.2.2.post1"
 COPY common ./common
@@ -12,11 +17,11 @@ COPY loadtest ./loadtest
 RUN python -m build --wheel --outdir /dist common \
     && python -m build --wheel --outdir /dist loadtest
 
-FROM python:3.11.11-slim-bookworm
-COPY --from=wheel /dist/ /tmp/dist/
-RUN pip install --no-cache-dir /tmp/dist/*.whl "locust==2.47.0" "requests==2.34.2" \
+FROM ${PYTHON_IMAGE}:${PYTHON_TAG}
+# The wheels are mounted from the first stage, so no layer keeps them.
+RUN --mount=type=bind,from=wheel,source=/dist,target=/tmp/dist \
+    pip install --no-cache-dir /tmp/dist/*.whl "locust==2.47.0" "requests==2.34.2" \
         "numpy==2.3.5" \
-    && rm -rf /tmp/dist \
     && useradd --uid 10001 --user-group --create-home --shell /usr/sbin/nologin locust
 # The locustfile at the path the chart's Job names; it imports the installed arc_loadtest.
 COPY loadtest/src/arc_loadtest/locustfile.py /app/loadtest/locustfile.py

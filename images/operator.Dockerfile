@@ -3,7 +3,12 @@
 # vLLM plugin. Build from the repository root:
 #   docker build -f images/operator.Dockerfile -t ghcr.io/arc-serving/operator:0.1.0 .
 
-FROM python:3.11.11-slim-bookworm AS wheel
+# The base: the upstream Python image by default; `make images-local` passes a stand-in built
+# from Debian bookworm's own packages where no registry answers (docs/images.md).
+ARG PYTHON_IMAGE=docker.io/library/python
+ARG PYTHON_TAG=3.11.11-slim-bookworm
+
+FROM ${PYTHON_IMAGE}:${PYTHON_TAG} AS wheel
 WORKDIR /src
 RUN pip install --no-cache-dir "build==1.2.2.post1"
 COPY common ./common
@@ -11,14 +16,14 @@ COPY operator ./operator
 RUN python -m build --wheel --outdir /dist common \
     && python -m build --wheel --outdir /dist operator
 
-FROM python:3.11.11-slim-bookworm
-COPY --from=wheel /dist/ /tmp/dist/
+FROM ${PYTHON_IMAGE}:${PYTHON_TAG}
 # The operator's dependencies, pinned to the versions the tests run against.
-RUN pip install --no-cache-dir /tmp/dist/*.whl \
+# The wheels are mounted from the first stage, so no layer keeps them.
+RUN --mount=type=bind,from=wheel,source=/dist,target=/tmp/dist \
+    pip install --no-cache-dir /tmp/dist/*.whl \
         "kopf==1.45.2" "pydantic==2.14.4" "PyYAML==6.0.4" "aiohttp==3.14.5" \
         "prometheus-client==0.26.0" \
-    && rm -rf /tmp/dist \
-    && useradd --uid 10001 --user-group --no-create-home --shell /usr/sbin/nologin operator
+    && useradd --uid 10001 --user-group --no-create-home --shell /usr/sbin/nologin arc-operator
 ENV PYTHONUNBUFFERED=1
 USER 10001:10001
 EXPOSE 8080

@@ -5,7 +5,12 @@
 # (router.Dockerfile.dockerignore). Build from the repository root:
 #   docker build -f images/router.Dockerfile -t ghcr.io/arc-serving/router:0.1.0 .
 
-FROM python:3.11.11-slim-bookworm
+# The base: the upstream Python image by default; `make images-local` passes a stand-in built
+# from Debian bookworm's own packages where no registry answers (docs/images.md).
+ARG PYTHON_IMAGE=docker.io/library/python
+ARG PYTHON_TAG=3.11.11-slim-bookworm
+
+FROM ${PYTHON_IMAGE}:${PYTHON_TAG}
 # The launcher imports its Python fallback balancer (aiohttp, orjson, uvicorn, fastapi) even
 # when it starts the Rust router, so those are installed too, pinned to the versions the tests
 # run against.

@@ -8,7 +8,7 @@
 # Stage 1: the wheels, built on the serving image itself, so the compiled policy core is for
 # its Python and its C library whatever they are (the image carries the C compiler that
 # torch.compile and Triton need, which mypyc uses too). Installed without dependencies.
-FROM vllm/vllm-openai:v0.33.0 AS wheel
+FROM docker.io/vllm/vllm-openai:v0.33.0 AS wheel
 WORKDIR /src
 RUN python3 -m pip install --no-cache-dir "build==1.2.2.post1"
 COPY common ./common
@@ -17,10 +17,10 @@ RUN python3 -m build --wheel --outdir /dist common \
     && python3 -m build --wheel --outdir /dist arc_evictor
 
 # Stage 2: the serving image. The base brings vllm, torch and prometheus-client.
-FROM vllm/vllm-openai:v0.33.0
-COPY --from=wheel /dist/ /tmp/dist/
-RUN python3 -m pip install --no-cache-dir --no-deps /tmp/dist/*.whl \
-    && rm -rf /tmp/dist \
+FROM docker.io/vllm/vllm-openai:v0.33.0
+# The wheels are mounted from the first stage, so no layer keeps them.
+RUN --mount=type=bind,from=wheel,source=/dist,target=/tmp/dist \
+    python3 -m pip install --no-cache-dir --no-deps /tmp/dist/*.whl \
     && useradd --uid 10001 --user-group --create-home --shell /usr/sbin/nologin vllm
 # The plugin stays inert unless ARC_EVICTOR_POLICY or ARC_EVICTOR_CONFIG is set (the operator
 # sets ARC_EVICTOR_CONFIG). Model downloads go to the user's cache, or a mounted volume.

@@ -74,9 +74,27 @@ def test_operator_image_and_chart_run_the_operator_wheels_entry_point() -> None:
     assert options.all_namespaces and options.lease_name is None
 
 
+def base_arguments(steps: list[tuple[str, str]]) -> dict[str, str]:
+    """The defaults of the ARGs declared before the first FROM, which FROM lines may name."""
+    defaults = {}
+    for keyword, args in steps:
+        if keyword == "FROM":
+            break
+        if keyword == "ARG" and "=" in args:
+            name, _, value = args.partition("=")
+            defaults[name] = value.strip('"')
+    return defaults
+
+
 @pytest.mark.parametrize("path", IMAGES, ids=lambda p: p.stem)
 def test_every_base_image_is_pinned(path: Path) -> None:
-    bases = [args for keyword, args in instructions(path) if keyword == "FROM"]
+    steps = instructions(path)
+    defaults = base_arguments(steps)
+    bases = [
+        re.sub(r"\$\{(\w+)\}", lambda m: defaults[m.group(1)], args)
+        for keyword, args in steps
+        if keyword == "FROM"
+    ]
     assert bases
     for base in bases:
         assert "latest" not in base, base
