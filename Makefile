@@ -158,19 +158,38 @@ $(PROMTOOL) $(PROMETHEUS) &:
 	@$(PROMTOOL) --version | head -n 1
 	@$(PROMETHEUS) --version | head -n 1
 
-# Container images; built only where a Docker engine answers (never on the offline dev boxes).
+# Container images (docs/images.md), built by dev/build_images.py with Docker (BuildKit) where a
+# daemon answers `docker info`, otherwise with buildah, daemonless: same Dockerfiles, same tags.
+# `images-local` builds the Python images on a stand-in base made from Debian bookworm's
+# packages (mmdebstrap), for machines that reach Debian's and PyPI's mirrors but no image
+# registry, and leaves out the GPU image, whose base only a registry serves. Layer caches make a
+# rebuild with unchanged inputs take seconds. Each build's reference, time and size go to
+# out/images/built.json, which tests/images runs (runc).
 IMAGE_REGISTRY ?= ghcr.io/arc-serving
 IMAGE_TAG ?= 0.1.0
 IMAGES := vllm vllm-cpu operator loadtest router
+# Debian's daemonless builder, the OCI runtime the tests run images with, and the stand-in
+# base's builder: installed with apt (as root) where no Docker daemon answers and one is missing.
+IMAGE_TOOLS := buildah runc mmdebstrap
+BUILD_IMAGES := $(PYTHON) dev/build_images.py --registry $(IMAGE_REGISTRY) --tag $(IMAGE_TAG)
 
-images:
-	@if docker info >/dev/null 2>&1; then \
-	  for name in $(IMAGES); do \
-	    docker build -f images/$$name.Dockerfile -t $(IMAGE_REGISTRY)/$$name:$(IMAGE_TAG) . || exit 1; \
-	  done; \
-	else \
-	  echo "make images: skipped, no Docker engine answers 'docker info'"; \
+.PHONY: image-tools images-local
+image-tools:
+	@if ! docker info >/dev/null 2>&1; then \
+	  missing=$$(for tool in $(IMAGE_TOOLS); do command -v $$tool >/dev/null || echo $$tool; done); \
+	  if [ -n "$$missing" ]; then \
+	    echo "make image-tools: apt-get install $$missing"; \
+	    apt-get update -q >/dev/null && \
+	    DEBIAN_FRONTEND=noninteractive apt-get install --yes -q --no-install-recommends $$missing \
+	      >/dev/null || exit 1; \
+	  fi; \
 	fi
+
+images: image-tools
+	$(BUILD_IMAGES) $(IMAGES)
+
+images-local: image-tools
+	$(BUILD_IMAGES) --local-base $(IMAGES)
 
 clean:
 	rm -rf $(VENV) $(AUDIT_VENV) $(VENV_VLLM033) $(TOOLS) $(OUT)
