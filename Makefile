@@ -60,21 +60,26 @@ demo-fleet: $(STAMP)
 #    (report: $(OUT)/test-cluster.log).
 # Each run lists its 15 slowest tests; the target fails if any run failed.
 SERVER_TESTS := vllm or locust or slow
+# Every test process runs in a loopback-only network namespace of its own (cluster/netns.py),
+# after the prerequisites that reach the package registries: no test can open a connection off
+# this machine, and what a test leaves running there is stopped with the namespace.
+ISOLATED := $(PY) -m cluster.netns --
 FAST_LOG := $(OUT)/test-fast.log
 CLUSTER_LOG := $(OUT)/test-cluster.log
 test: $(STAMP) tools cluster-binaries cluster-crds
 	@mkdir -p $(OUT)
-	@nice -n 19 $(PY) -m pytest -n auto --dist worksteal -m "not ($(SERVER_TESTS))" \
+	@nice -n 19 $(ISOLATED) $(PY) -m pytest -n auto --dist worksteal -m "not ($(SERVER_TESTS))" \
 	    --ignore=tests/cluster --durations=15 > $(FAST_LOG) 2>&1 & \
 	  fast=$$!; \
 	  echo "the no-server tests run beside the exclusive ones at nice 19 ($(FAST_LOG))"; \
-	  $(PY) -m pytest -m exclusive --durations=15; exclusive=$$?; \
+	  $(ISOLATED) $(PY) -m pytest -m exclusive --durations=15; exclusive=$$?; \
 	  wait $$fast; fasted=$$?; \
 	  echo "===== the no-server tests ($(FAST_LOG)) ====="; cat $(FAST_LOG); \
-	  $(PY) -m pytest tests/cluster -m "not exclusive" --durations=15 > $(CLUSTER_LOG) 2>&1 & \
+	  $(ISOLATED) $(PY) -m pytest tests/cluster -m "not exclusive" --durations=15 \
+	    > $(CLUSTER_LOG) 2>&1 & \
 	  cluster=$$!; \
 	  echo "tests/cluster runs beside the server tests ($(CLUSTER_LOG))"; \
-	  $(PY) -m pytest -n 2 --dist loadfile -m "($(SERVER_TESTS)) and not exclusive" \
+	  $(ISOLATED) $(PY) -m pytest -n 2 --dist loadfile -m "($(SERVER_TESTS)) and not exclusive" \
 	    --ignore=tests/cluster --durations=15; server=$$?; \
 	  wait $$cluster; clustered=$$?; \
 	  echo "===== tests/cluster ($(CLUSTER_LOG)) ====="; cat $(CLUSTER_LOG); \
@@ -84,7 +89,7 @@ test: $(STAMP) tools cluster-binaries cluster-crds
 # The fast tier for a developer's loop: everything that starts no vLLM server, no Locust run
 # and nothing else marked slow, with a tenth of each fuzz target's cases, on every core.
 test-fast: $(STAMP) tools
-	ARC_FUZZ_FRACTION=0.1 $(PY) -m pytest -n auto --dist worksteal \
+	ARC_FUZZ_FRACTION=0.1 $(ISOLATED) $(PY) -m pytest -n auto --dist worksteal \
 	  -m "not vllm and not locust and not slow"
 
 # The plugin's KVCacheManager-level tests against vLLM 0.33 in a second venv. PyPI has no CPU
@@ -108,7 +113,7 @@ $(STAMP_VLLM033): $(STAMP)
 
 test-vllm033: $(STAMP_VLLM033)
 	$(VENV_VLLM033)/bin/python -c "import vllm; assert vllm.__version__ == '0.33.0', vllm.__version__"
-	$(VENV_VLLM033)/bin/python -m pytest tests/plugin -m "not slow"
+	$(ISOLATED) $(VENV_VLLM033)/bin/python -m pytest tests/plugin -m "not slow"
 
 bench: $(STAMP)
 	$(PY) -m arc_dev.bench
@@ -128,7 +133,7 @@ dashboards: $(STAMP)
 # The pure-Python policy core, the fallback of an install built with ARC_EVICTOR_PURE_PYTHON=1:
 # the policy suite and the simulator's pool with the compiled modules bypassed at import.
 test-pure: $(STAMP)
-	ARC_EVICTOR_PURE_PYTHON=1 $(PY) -m pytest tests/policies tests/simulator/test_pool.py
+	ARC_EVICTOR_PURE_PYTHON=1 $(ISOLATED) $(PY) -m pytest tests/policies tests/simulator/test_pool.py
 
 lint: $(STAMP)
 	$(PY) -m ruff check .
@@ -304,16 +309,28 @@ $(CLUSTER_CRDS) &:
 	      $(CLUSTER_OUT)/crds/ || exit 1; \
 	  done
 
-.PHONY: cluster-binaries cluster-crds cluster cluster-down test-cluster
+.PHONY: cluster-binaries cluster-crds cluster cluster-down cluster-shell test-cluster
 cluster-binaries: $(CLUSTER_K8S_BINS) $(CLUSTER_KWOK_BINS) $(KUBECTL) $(HELM)
 cluster-crds: $(CLUSTER_CRDS)
 
+# The cluster runs in a loopback-only network namespace of its own (cluster/netns.py):
+# `make cluster-shell` opens a shell there (KUBECONFIG set, .tools/bin on PATH), and
+# `make cluster-shell -- kubectl get nodes` runs one command.
 cluster: cluster-binaries cluster-crds $(STAMP)
 	$(PY) -m cluster up --out $(CLUSTER_OUT)
 
 cluster-down:
 	$(PY) -m cluster down --out $(CLUSTER_OUT)
 
-# The chart and the operator on the local control plane (starts it, or reuses a running one).
-test-cluster: cluster-binaries cluster-crds $(STAMP)
-	$(PY) -m pytest tests/cluster
+ifeq (cluster-shell,$(firstword $(MAKECMDGOALS)))
+  CLUSTER_SHELL_ARGS := $(wordlist 2,$(words $(MAKECMDGOALS)),$(MAKECMDGOALS))
+  # The command's words are goals to make: they do nothing.
+  $(eval $(CLUSTER_SHELL_ARGS):;@:)
+endif
+cluster-shell:
+	@$(PY) -m cluster shell --out $(CLUSTER_OUT) $(if $(CLUSTER_SHELL_ARGS),-- $(CLUSTER_SHELL_ARGS))
+
+# The chart and the operator on the local control plane, inside its namespace (starts it, or
+# reuses a running one, and leaves it running).
+test-cluster: cluster
+	$(PY) -m cluster shell --out $(CLUSTER_OUT) -- $(PY) -m pytest tests/cluster

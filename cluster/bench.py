@@ -2,10 +2,11 @@
 ServingPolicies on the local Kubernetes 1.35 control plane (cluster/README.md).
 
 It starts (or reuses) a control plane of its own under ``--out`` (kwokctl cluster
-``arc-bench``, never ``out/cluster``), adds kwok nodes for every simulated pod, installs the
-chart without its default ServingPolicy and runs the chart's operator command on this host as
-the chart's ServiceAccount (a TokenRequest token), as tests/cluster does. Then, in three
-phases, it prints figures (no pass or fail):
+``arc-bench``, never ``out/cluster``) in that folder's loopback-only network namespace
+(cluster/netns.py; stopped at the end unless ``--keep-cluster``), adds kwok nodes for every
+simulated pod, installs the chart without its default ServingPolicy and runs the chart's
+operator command on this host as the chart's ServiceAccount (a TokenRequest token), as
+tests/cluster does. Then, in three phases, it prints figures (no pass or fail):
 
 1. create: ``kubectl apply --server-side`` of one file with ``--policies`` ServingPolicies of
    ``--replicas`` pods each (the operator's example, kv_aware routing: one router per policy),
@@ -65,7 +66,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from arc_harness.vllm_server import free_port
 from arc_operator import manifests as mf
 from arc_operator.manifests.common import PORT
-from cluster.local import REPO, LocalCluster, node_manifest
+from cluster.local import NODE_NAMES, REPO, LocalCluster, node_manifest
 
 CHART = REPO / "charts" / "arc-serving"
 EXAMPLE = REPO / "operator" / "examples" / "servingpolicy-arc.yaml"
@@ -520,7 +521,8 @@ def bench_nodes(pods: int) -> list[dict[str, Any]]:
     count = math.ceil(1.5 * pods / int(BENCH_NODE_CAPACITY["pods"]))
     nodes = []
     for index in range(count):
-        node = node_manifest(f"kwok-bench-{index}")
+        # Pod CIDRs after those of the cluster's own nodes.
+        node = node_manifest(f"kwok-bench-{index}", len(NODE_NAMES) + index)
         node["status"]["capacity"] = dict(BENCH_NODE_CAPACITY)
         node["status"]["allocatable"] = dict(BENCH_NODE_CAPACITY)
         nodes.append(node)
@@ -793,6 +795,11 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--{option.replace('_', '-')} must be positive, got {value}")
 
     cluster = LocalCluster(out=args.out, name=CLUSTER_NAME)
+    if not cluster.namespace.inside():
+        # Run again inside the cluster's loopback-only network namespace: the operator's
+        # scrapes of hundreds of simulated pods must never leave the machine.
+        again = [sys.executable, "-m", "cluster.bench", *(sys.argv[1:] if argv is None else argv)]
+        return cluster.namespace.run_inside(again, keep=args.keep_cluster)
     started = cluster.up()
     print(f"cluster {cluster.name} {'started' if started else 'reused'}: {cluster.kubeconfig}")
     tools, api = Tools(cluster), AdminApi(cluster.kubeconfig)

@@ -12,6 +12,7 @@ folder that does not exist, so a component we forgot fails at once instead of do
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import json
 import os
 import signal
@@ -21,6 +22,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from cluster.netns import SERVICE_RANGE, SIMULATED_POD_RANGE, HeldNamespace, netns_inode
 
 REPO = Path(__file__).resolve().parent.parent
 BIN_DIR = REPO / ".tools" / "bin"
@@ -51,10 +54,23 @@ NO_DOWNLOAD_PREFIX_ENV = (
 )
 
 
+# Each fake node's pods take their addresses from a /24 of SIMULATED_POD_RANGE (pod_cidr); the
+# last /24 is the kwok controller's for a node without a podCIDR (its default is 10.0.0.0/24).
+_POD_NET = ipaddress.ip_network(SIMULATED_POD_RANGE)
+FALLBACK_POD_CIDR = str(list(_POD_NET.subnets(new_prefix=24))[-1])
+
 # The API server's admission: its default plugins (`--kube-admission`) plus
 # OwnerReferencesPermissionEnforcement, on by default in OpenShift: an owner reference with
 # blockOwnerDeletion (kopf.adopt sets it) needs update on the owner's finalizers subresource.
-EXTRA_ARGS = ("kube-apiserver=enable-admission-plugins=OwnerReferencesPermissionEnforcement",)
+# Its address: an explicit one, since a loopback-only network namespace has no default route to
+# take it from, and Services' addresses from a range local to that namespace (cluster/netns.py)
+# instead of the default 10.0.0.0/24; the kwok controller's fallback pod range likewise.
+EXTRA_ARGS = (
+    "kube-apiserver=enable-admission-plugins=OwnerReferencesPermissionEnforcement",
+    "kube-apiserver=advertise-address=127.0.0.1",
+    f"kube-apiserver=service-cluster-ip-range={SERVICE_RANGE}",
+    f"kwok-controller=cidr={FALLBACK_POD_CIDR}",
+)
 # kwokctl's configuration: every component listens on the loopback address only (kwokctl's
 # default, 0.0.0.0, would put an unauthenticated etcd on every interface of the machine).
 KWOKCTL_CONFIG = """\
@@ -63,6 +79,14 @@ kind: KwokctlConfiguration
 options:
   bindAddress: 127.0.0.1
 """
+
+
+def pod_cidr(index: int) -> str:
+    """The pod CIDR of the fake node numbered ``index``: the index-th /24 of the simulated range."""
+    subnets = _POD_NET.num_addresses // 256 - 1  # the last one is the fallback
+    if not 0 <= index < subnets:
+        raise ValueError(f"node index {index} outside 0..{subnets - 1}")
+    return str(ipaddress.ip_network((int(_POD_NET.network_address) + 256 * index, 24)))
 
 
 # The API server's audit policy: request metadata (user, verb, resource, decision, the
@@ -83,10 +107,11 @@ class ClusterError(RuntimeError):
     """The control plane did not come up or go down as asked."""
 
 
-def node_manifest(name: str) -> dict[str, Any]:
+def node_manifest(name: str, index: int) -> dict[str, Any]:
     """A fake node kwok manages (annotation `kwok.x-k8s.io/node: fake`), as kwok's docs show,
     without the docs' NoSchedule taint: nothing real ever runs here, and the chart's pods do not
-    tolerate it."""
+    tolerate it. Its pods' addresses come from ``pod_cidr(index)``."""
+    cidr = pod_cidr(index)
     return {
         "apiVersion": "v1",
         "kind": "Node",
@@ -104,6 +129,7 @@ def node_manifest(name: str) -> dict[str, Any]:
                 "type": "kwok",
             },
         },
+        "spec": {"podCIDR": cidr, "podCIDRs": [cidr]},
         "status": {
             "allocatable": dict(NODE_CAPACITY),
             "capacity": dict(NODE_CAPACITY),
@@ -156,6 +182,11 @@ class LocalCluster:
     def audit_log(self) -> Path:
         """The API server's audit log: every service account's requests (AUDIT_POLICY)."""
         return self.cluster_dir / "logs" / "audit.log"
+
+    @property
+    def namespace(self) -> HeldNamespace:
+        """The loopback-only network namespace `python -m cluster up` runs this cluster in."""
+        return HeldNamespace(self.out.resolve() / "netns.pid")
 
     @property
     def kube_cache(self) -> Path:
@@ -256,7 +287,9 @@ class LocalCluster:
             time.sleep(interval)
 
     def up(self, timeout: float = 300) -> bool:
-        """Start the cluster, or reuse a running one. True when it was started here."""
+        """Start the cluster in this process's network namespace, or reuse one running there.
+        True when it was started here."""
+        self._check_same_namespace()
         if self.answering() and self.nodes_ready():
             return False
         if self.cluster_dir.exists():
@@ -303,7 +336,7 @@ class LocalCluster:
             )
         self._check_no_downloads()
         self._wait("the API server's /readyz", self.answering, deadline)
-        nodes = [node_manifest(n) for n in self.nodes]
+        nodes = [node_manifest(n, i) for i, n in enumerate(self.nodes)]
         manifest = {"apiVersion": "v1", "kind": "List", "items": nodes}
         applied = self.kubectl("apply", "-f", "-", input=json.dumps(manifest))
         if applied.returncode != 0:
@@ -325,6 +358,18 @@ class LocalCluster:
         if fetched:
             raise ClusterError(f"kwokctl downloaded something: {fetched}")
 
+    def _check_same_namespace(self) -> None:
+        """Refuse to touch this work dir's processes from another network namespace: they
+        answer only inside their own, and kwokctl would kill them by their pid files."""
+        ours = netns_inode()
+        foreign = [pid for pid in self.pids() if netns_inode(pid) not in (ours, None)]
+        if foreign:
+            raise ClusterError(
+                f"the cluster in {self.out} runs in another network namespace (processes "
+                f"{foreign}): run inside it (make cluster-shell -- COMMAND) or stop it first "
+                "(make cluster-down)"
+            )
+
     def pids(self) -> list[int]:
         """Processes running from this cluster's work dir (kwokctl's daemons), by /proc."""
         marker = str(self.workdir).encode()
@@ -342,6 +387,7 @@ class LocalCluster:
 
     def down(self, timeout: float = 60) -> None:
         """Stop every component and delete the cluster; no process of it is left behind."""
+        self._check_same_namespace()
         if (self.bin_dir / "kwokctl").is_file() and self.cluster_dir.exists():
             self.kwokctl("delete", "cluster", "--kubeconfig", str(self.kubeconfig), timeout=timeout)
         deadline = time.monotonic() + timeout

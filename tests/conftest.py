@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import socket
 from collections import Counter
 from collections.abc import Mapping
 from pathlib import Path
@@ -36,6 +38,44 @@ def pytest_testnodedown(node: Any, error: object) -> None:
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     print_fuzz_cases(terminalreporter, _WORKERS_FUZZ_CASES)
+
+
+# A person may run a test on the host network on purpose with this variable set to 1.
+HOST_NETWORK_VAR = "ARC_TESTS_HOST_NETWORK"
+# Addresses off this machine, one of each kind: private ranges and a public one (TEST-NET-1).
+OFF_MACHINE = ("10.0.0.1", "172.16.0.1", "192.168.1.1", "192.0.2.1", "2001:db8::1")
+
+
+def routable_off_machine() -> list[str]:
+    """The addresses of OFF_MACHINE this process has a route to. A UDP socket's connect() only
+    looks the route up and sends nothing; without a route it fails at once."""
+    routable = []
+    for address in OFF_MACHINE:
+        family = socket.AF_INET6 if ":" in address else socket.AF_INET
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            try:
+                probe.connect((address, 9))
+            except OSError:
+                continue
+            routable.append(address)
+    return routable
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Refuse to run where a test could open a connection off this machine: the suite runs in
+    a loopback-only network namespace (the Makefile's test targets, cluster/netns.py)."""
+    if os.environ.get(HOST_NETWORK_VAR) == "1":
+        return
+    routable = routable_off_machine()
+    if routable:
+        pytest.exit(
+            f"refusing to run: this network namespace has a route to {', '.join(routable)}, "
+            "so a test could reach another machine; run the tests through make (a "
+            "loopback-only namespace: make test-fast, or `.venv/bin/python -m cluster.netns -- "
+            f".venv/bin/python -m pytest ...`), or set {HOST_NETWORK_VAR}=1 to run on the host "
+            "network on purpose",
+            returncode=pytest.ExitCode.USAGE_ERROR,
+        )
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -1,11 +1,10 @@
 """The operator's metrics readings end to end on the real API server.
 
-kwok gives pods made-up IPs (10.0.0.x by default), which no pod answers on. Here one extra kwok
-node has a loopback pod CIDR (127.x.y.0/24), so its pods' IPs are loopback addresses of this
-host, and the test serves a vLLM-like /metrics on each pod's IP at the operator's metrics port:
-the operator's real scrapes fill `activePolicy`, `hitRate`, `replicaHitRates`, `PolicyApplied`
-and `Ready`, and `kubectl get sp` shows them. (Only for this test: the EndpointSlice API
-refuses loopback addresses, so the Services of pods on that node get no endpoints.)
+kwok runs no container, so no pod answers on its address. The test run's network namespace
+(cluster/netns.py) makes the simulated pods' range local, so here the test serves a vLLM-like
+/metrics on each pod's address at the operator's metrics port, on a kwok node of its own: the
+operator's real scrapes fill `activePolicy`, `hitRate`, `replicaHitRates`, `PolicyApplied` and
+`Ready`, and `kubectl get sp` shows them.
 """
 
 from __future__ import annotations
@@ -89,12 +88,11 @@ def serve(ip: str, port: int, metrics: PodMetrics) -> ThreadingHTTPServer:
 
 
 @pytest.fixture
-def loopback_node(kube: Kube) -> Iterator[str]:
-    """A kwok node whose pods get loopback IPs, the only schedulable one while it exists."""
-    name = f"kwok-loopback-{secrets.token_hex(2)}"
-    manifest = node_manifest(name)
-    cidr = f"127.{random.randint(2, 250)}.{random.randint(0, 255)}.0/24"
-    manifest["spec"] = {"podCIDR": cidr, "podCIDRs": [cidr]}
+def metrics_node(kube: Kube) -> Iterator[str]:
+    """A kwok node of its own, the only schedulable one while it exists (its pod CIDR past
+    those of the cluster's nodes)."""
+    name = f"kwok-metrics-{secrets.token_hex(2)}"
+    manifest = node_manifest(name, random.randint(64, 126))
     kube.run("apply", "-f", "-", input=json.dumps(manifest))
     others = [
         n["metadata"]["name"]
@@ -119,7 +117,7 @@ def test_scraped_metrics_fill_status_and_printer_columns(
     kube: Kube,
     release: Release,
     host_operator: HostOperator,
-    loopback_node: str,
+    metrics_node: str,
     make_policy: MakePolicy,
 ) -> None:
     ns, name = release.namespace, "metrics"
@@ -130,7 +128,7 @@ def test_scraped_metrics_fill_status_and_printer_columns(
         return pods if len(pods) == 2 else None
 
     pods = wait_for("two ready pods", two_ready)
-    assert {p["spec"]["nodeName"] for p in pods} == {loopback_node}
+    assert {p["spec"]["nodeName"] for p in pods} == {metrics_node}
     metrics = {p["metadata"]["name"]: PodMetrics("arc") for p in pods}
     servers = [
         serve(p["status"]["podIP"], host_operator.metrics_port, metrics[p["metadata"]["name"]])
