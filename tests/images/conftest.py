@@ -1,0 +1,33 @@
+"""Fixtures for the tests that run the built images (tests/images/containers.py)."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from containers import built_images, runner_missing
+
+
+@pytest.fixture(scope="session")
+def built_image() -> Callable[[str], str]:
+    """The reference of a built image by name; skips, naming the target, when none was built
+    here or this machine cannot run it."""
+    built: dict[str, dict[str, Any]] = built_images()
+
+    def reference(name: str) -> str:
+        if name not in built:
+            pytest.skip(f"no {name} image built here: `make images-local` builds it")
+        if built[name]["builder"] != "buildah":
+            pytest.skip(f"the {name} image was built by docker; these tests run buildah's images")
+        missing = runner_missing()
+        if missing:
+            pytest.skip(f"cannot run images here: {missing}")
+        return str(built[name]["reference"])
+
+    return reference
