@@ -48,7 +48,9 @@ demo: $(STAMP) $(PROMETHEUS)
 demo-fleet: $(STAMP)
 	$(PY) -m arc_dev.fleet_demo --out $(OUT)/demo-fleet
 
-# Everything, in two steps that together run every test once, each report printed in turn:
+# Everything, in two steps that together run every test once, each report printed in turn,
+# after the set-up that reaches the package registries (the images tests/images runs are built
+# first: `make images-local`, seconds when nothing changed):
 # 1. the tests marked exclusive (the servers' and the cluster's), one at a time, since they
 #    judge latency or timing against fixed bounds; beside them, at the lowest CPU priority
 #    (nice 19) so that they take only the CPU the exclusive tests leave idle while those wait
@@ -66,7 +68,7 @@ SERVER_TESTS := vllm or locust or slow
 ISOLATED := $(PY) -m cluster.netns --
 FAST_LOG := $(OUT)/test-fast.log
 CLUSTER_LOG := $(OUT)/test-cluster.log
-test: $(STAMP) tools cluster-binaries cluster-crds
+test: $(STAMP) tools cluster-binaries cluster-crds images-local
 	@mkdir -p $(OUT)
 	@nice -n 19 $(ISOLATED) $(PY) -m pytest -n auto --dist worksteal -m "not ($(SERVER_TESTS))" \
 	    --ignore=tests/cluster --durations=15 > $(FAST_LOG) 2>&1 & \
