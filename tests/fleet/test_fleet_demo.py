@@ -1,7 +1,8 @@
 """A reduced ``make demo-fleet`` (docs/routing.md, "Measured on a local fleet"): the real fleet
 of two vLLM servers and the real router, every routing policy (under one eviction policy)
 replayed by the real Locust on a small mixed trace. The assertions are invariants of any such
-run, not figures.
+run, not figures. Every TCP socket the fleet and Locust listen on is sampled during the run and
+must be on loopback.
 """
 
 from __future__ import annotations
@@ -9,13 +10,15 @@ from __future__ import annotations
 import json
 import re
 from collections import defaultdict
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from arc_dev import fleet_demo
-from arc_harness.fleet import server_url
+from arc_harness.fleet import ROUTER_PORT_OFFSET, server_port, server_url
+from arc_harness.listening import ListenerSampler
 from arc_serving_common.names import KV_AWARE_ROUTER_TEMPERATURE
 from arc_serving_common.traces import TraceRequest, load_trace
 from arc_simulator.routing import ConsistentHashRouter
@@ -33,7 +36,17 @@ SESSION_KEY = "header:x-session-id:"
 
 
 @pytest.fixture(scope="module")
-def demo_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+def listeners() -> Iterator[ListenerSampler]:
+    """Every TCP socket this test process's children listen on, sampled from before the demo
+    starts its fleet to the module's end."""
+    with ListenerSampler(interval_s=0.5) as sampler:
+        yield sampler
+
+
+@pytest.fixture(scope="module")
+def demo_run(
+    listeners: ListenerSampler, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, dict[str, Any]]:
     out = tmp_path_factory.mktemp("demo-fleet")
     settings = fleet_demo.parse_args(
         ["--out", str(out), "--sessions", "4", "--documents", "4", "--port-base", str(PORT_BASE),
@@ -246,3 +259,19 @@ def test_kv_aware_runs_at_the_operators_temperature_unless_told(tmp_path: Path) 
     assert sticky.router_args() == [
         "--router-temperature", "1.0", "--kv-aware-session-affinity-ttl-secs", "60",
     ]  # fmt: skip
+
+
+def test_every_listening_socket_is_on_loopback(
+    listeners: ListenerSampler, demo_run: tuple[Path, dict[str, Any]]
+) -> None:
+    """The servers' HTTP ports and KV-event publishers and the router listen on 127.0.0.1 or
+    ::1 only, as does anything else the run started (Locust)."""
+    ports = {listener.port for listener in listeners.listeners}
+    servers = [server_port(PORT_BASE, index) for index in range(fleet_demo.REPLICAS)]
+    # The sampler saw what it checks: each server and its event publisher, the router and its
+    # metrics port.
+    router = PORT_BASE + ROUTER_PORT_OFFSET
+    expected = {*servers, *(port + 1 for port in servers), router, router + 1}
+    assert expected <= ports, sorted(ports)
+    exposed = [listener.describe() for listener in listeners.exposed()]
+    assert not exposed, f"listening beyond loopback: {exposed}"

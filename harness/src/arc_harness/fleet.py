@@ -49,8 +49,7 @@ Contract (fault tests rely on it; it does not change without changing them):
 The default ``port_base`` lies below Linux's range for outgoing connections (32768-60999), so
 no other process's connection can hold one of the fixed ports.
 
-Invariants: only ports ``port_base .. port_base + 99`` are used, all on 127.0.0.1 except
-the KV-event publishers (vLLM binds a publisher only on a wildcard address); at most
+Invariants: only ports ``port_base .. port_base + 99`` are used, all on 127.0.0.1; at most
 ``replicas`` vLLM servers of a fleet run at once; every child process is in its own process
 group and is stopped by ``close()``.
 """
@@ -199,10 +198,9 @@ class FleetServer(VllmServer):
         events = {
             "enable_kv_cache_events": True,
             "publisher": "zmq",
-            # vLLM binds the publisher only for a wildcard endpoint (and connects to any other
-            # address), so this one port listens on every interface; the replay socket is
-            # always bound and stays on 127.0.0.1.
-            "endpoint": f"tcp://*:{self.kv_event_port}",
+            # vLLM binds the publisher only for an endpoint with "*" or "::" in it and connects
+            # to any other; ZeroMQ without IPv6 binds this IPv4-mapped address as 127.0.0.1.
+            "endpoint": f"tcp://[::ffff:127.0.0.1]:{self.kv_event_port}",
             "replay_endpoint": f"tcp://127.0.0.1:{self.kv_replay_port}",
             "topic": "",
         }
