@@ -59,6 +59,8 @@ def test_defaults_compare_lru_arc_and_the_charts_policy_at_the_tuned_capacity(
     assert values["servingPolicy"]["policy"].lower() == settings.policies[-1]
     assert settings.capacity_blocks == demo.CAPACITY_BLOCKS
     assert settings.trace == demo.TRACE
+    assert settings.stock  # the same server without the plugin runs too
+    assert not demo.parse_args(["--no-stock"]).stock
     assert not (tmp_path / "o").exists()  # parsing creates nothing
 
 
@@ -131,19 +133,47 @@ def test_table_has_every_column_with_measured_next_to_predicted() -> None:
     table = demo.comparison_table(runs, PREDICTIONS)
     header, _rule, lru, arc = table.splitlines()
     for column in ("policy", "requests", "block hit", "sim seq", "sim ovl", "TTFT p50 ms",
-                   "TTFT p90 ms", "ITL p50 ms", "req/s", "lag p99 ms"):  # fmt: skip
+                   "TTFT p90 ms", "p50/stock", "p50/lru", "ITL p50 ms", "req/s",
+                   "lag p99 ms"):  # fmt: skip
         assert column in header
     assert lru.split()[:6] == ["lru", "3", "0.380", "0.380", "0.390", "0.380"]
     assert arc.split()[:4] == ["arc", "3", "0.500", "0.500"]
     assert lru.split()[6] == "260"  # TTFT p50 of 0.30, 0.26, 0.20
-    assert arc.split()[8] == "10"  # ITL p50 of the gaps 8, 10 and 12 ms
+    assert lru.split()[8:10] == ["-", "1.00x"]  # no stock run; lru over itself
+    assert arc.split()[9] == f"{0.2 / 0.26:.2f}x"
+    assert arc.split()[10] == "10"  # ITL p50 of the gaps 8, 10 and 12 ms
+
+
+def test_stock_row_comes_first_with_lrus_prediction_and_every_ttft_over_it() -> None:
+    stock = make_run("stock", [0.25, 0.25, 0.25], 38, 100)
+    runs = [make_run("lru", [0.30, 0.26, 0.20], 38, 100), make_run("arc", [0.2, 0.1, 0.3], 50, 100)]
+    _header, _rule, *rows = demo.comparison_table(runs, PREDICTIONS, stock).splitlines()
+    assert [row.split()[0] for row in rows] == ["stock", "lru", "arc"]
+    stock_row, lru_row, arc_row = (row.split() for row in rows)
+    # Stock vLLM evicts least recently used first: the simulator's lru stands for it.
+    assert stock_row[2:5] == ["0.380", "0.380", "0.390"]
+    assert stock_row[8:10] == ["1.00x", f"{0.25 / 0.26:.2f}x"]
+    assert lru_row[8] == f"{0.26 / 0.25:.2f}x"
+    assert arc_row[8] == f"{0.2 / 0.25:.2f}x"
+
+
+def test_stock_lines_hold_stocks_hit_rate_to_lrus_within_half_a_point() -> None:
+    runs = [make_run("lru", [0.26] * 3, 380, 1000), make_run("arc", [0.2] * 3, 500, 1000)]
+    close = demo.stock_lines(make_run("stock", [0.25] * 3, 376, 1000), runs)
+    assert close[0].startswith("target stock block hit rate = the plugin's lru within 0.5 point")
+    assert ": met (" in close[0]
+    assert "(0.376 vs 0.380, +0.40 points)" in close[0]
+    assert close[1] == "TTFT p50 lru vs stock: +4.0% (slower), p90 1.04x of stock's"
+    assert close[2] == "TTFT p50 arc vs stock: -20.0% (faster), p90 0.80x of stock's"
+    apart = demo.stock_lines(make_run("stock", [0.25] * 3, 374, 1000), runs)
+    assert "0.5 point: MISSED (0.374 vs 0.380, +0.60 points)" in apart[0]
 
 
 def test_zero_query_run_shows_dashes_and_gains_refuse_it() -> None:
     empty = PolicyRun("lru", summarize([], planned=0, start=None, end=None, duration_s=0.0),
                       block_queries=0, block_hits=0)  # fmt: skip
     row = demo.comparison_table([empty], []).splitlines()[2].split()
-    assert row == ["lru", "0", "-", "-", "-", "-", "-", "-", "-", "-", "-"]
+    assert row == ["lru", "0"] + ["-"] * 11
     with pytest.raises(ValueError, match="no block queries were counted for lru or arc"):
         demo.gains([empty, make_run("arc", [0.1], 5, 10)])
 
@@ -187,7 +217,8 @@ def test_slow_dispatch_misses_the_lag_target() -> None:
 
 
 def test_plot_is_written(tmp_path: Path) -> None:
-    runs = [make_run("lru", [0.3, 0.2], 38, 100), make_run("arc", [0.2, 0.1], 50, 100)]
+    runs = [make_run("stock", [0.3, 0.2], 38, 100), make_run("lru", [0.3, 0.2], 38, 100),
+            make_run("arc", [0.2, 0.1], 50, 100)]  # fmt: skip
     path = demo.plot_comparison(runs, PREDICTIONS, tmp_path / "sub" / "demo.png", "title")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert path.stat().st_size > 10_000
@@ -206,13 +237,27 @@ def plugin_metrics_page(hits: int, queries: int, active: str) -> str:
 
 
 def test_plugin_counters_are_read_from_the_plugin_metrics() -> None:
-    counters = demo.parse_plugin_counters(plugin_metrics_page(7, 20, "arc"))
+    counters = demo.parse_counters(plugin_metrics_page(7, 20, "arc"))
     assert (counters.block_hits, counters.block_queries, counters.active_policy) == (7, 20, "arc")
 
 
 def test_missing_plugin_metrics_name_the_cause() -> None:
     with pytest.raises(DemoError, match="no arc_evictor_block_hits_total, arc_evictor_block_qu"):
-        demo.parse_plugin_counters("vllm:prefix_cache_hits_total 3.0\n")
+        demo.parse_counters("vllm:prefix_cache_hits_total 3.0\n")
+
+
+def test_stock_counters_are_vllms_own_and_refuse_the_plugins() -> None:
+    page = "vllm:prefix_cache_hits_total 96.0\nvllm:request_success_total 4.0\n"
+    counters = demo.parse_counters(page, plugin=False)
+    assert (counters.prefix_hit_tokens, counters.requests_finished) == (96, 4)
+    assert (counters.block_hits, counters.block_queries, counters.active_policy) == (0, 0, None)
+    with pytest.raises(DemoError, match="the stock server's /metrics has arc_evictor_block_hits"):
+        demo.parse_counters(plugin_metrics_page(7, 20, "arc"), plugin=False)
+
+
+def test_a_server_without_the_plugin_runs_stock_only(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="a server without the plugin runs 'stock', not 'lru'"):
+        demo.demo_server(tmp_path, 64, None, "lru", tmp_path / "vllm.log")
 
 
 # ---------------------------------------------------------------- dashboard snapshot

@@ -1,4 +1,5 @@
-"""``make demo``: the real vLLM (CPU build) with the arc_evictor plugin: LRU, ARC and TRIO.
+"""``make demo``: the real vLLM (CPU build) with the arc_evictor plugin: LRU, ARC and TRIO,
+and the same server without the plugin (stock vLLM).
 
 Steps (each printed with its wall time):
 
@@ -19,13 +20,20 @@ Steps (each printed with its wall time):
    the real Locust, headless. Every policy therefore starts from an empty cache on the same
    trace, on the same warm server process. Progress (requests answered, time left) is printed
    every 15 seconds.
-6. Print one table (measured next to predicted hit rates), the gain lines against the first
-   policy and the targets, and write ``demo.png`` and ``demo.json``.
-7. A real Prometheus (``.tools/bin/prometheus``, from ``make tools``) scrapes the server every
-   second as the chart's PodMonitor would, the whole time; ``dashboards.png`` draws the
-   chart's main Grafana dashboard (``arc_dev.snapshot``) from its range queries over the runs:
-   hit rate and TTFT over time per policy, as Grafana would show them. Without the binary the
-   demo says so and skips this picture.
+6. Stop that server and start the same one without the plugin (no ``ARC_EVICTOR_*`` variable:
+   vLLM as shipped, its own LRU free queue), time nothing anew, empty its cache and replay the
+   same trace at the same pace: the ``stock`` row, what the plugin costs a user. Its block hit
+   rate must equal the plugin's ``lru`` within half a point (the same policy); vLLM's own
+   counters give it (hit tokens over the server's block size, over the trace's full prompt
+   blocks, which are what the plugin counts as queries).
+7. Print one table (measured next to predicted hit rates, each policy's TTFT p50 against stock
+   and against the baseline), the gain lines against the first policy and the targets, and
+   write ``demo.png`` and ``demo.json``.
+8. A real Prometheus (``.tools/bin/prometheus``, from ``make tools``) scrapes the plugin's
+   server every second as the chart's PodMonitor would, during its runs; ``dashboards.png``
+   draws the chart's main Grafana dashboard (``arc_dev.snapshot``) from its range queries
+   over the runs: hit rate and TTFT over time per policy, as Grafana would show them. Without
+   the binary the demo says so and skips this picture.
 
 The default policies are LRU (the baseline), ARC and TRIO, the chart's default policy.
 
@@ -107,11 +115,17 @@ RESET_TIMEOUT_S = 30.0
 TTFT_SHARE_TARGET = 0.5  # TTFT p50 gain must be at least half the hit-rate gain
 DISPATCH_LAG_P99_TARGET_S = 0.050
 SERVER_NICE = 5  # see _BackgroundServer
+STOCK = "stock"  # the row of the server without the plugin
+PLUGIN_ENV_PREFIX = "ARC_EVICTOR_"  # every setting of the plugin; none reaches the stock server
+STOCK_HIT_TOLERANCE = 0.005  # stock and the plugin's lru make the same decisions
 # LRU is the baseline the gains are measured against; TRIO is the chart's default policy.
 DEFAULT_POLICIES = ("lru", "arc", "trio")
 SCRAPE_INTERVAL_S = 1.0
 # vLLM's counter of finished requests (every finish reason): the replay's progress.
 FINISHED_REQUESTS = "vllm:request_success_total"
+# vLLM's prefix-cache hits in tokens: whole blocks for full attention, so the stock server's
+# hit blocks are this over the block size.
+PREFIX_HIT_TOKENS = "vllm:prefix_cache_hits_total"
 # How the demo's engine appears to Prometheus: as a pod of the chart's default release.
 DEMO_NAMESPACE, DEMO_POD, DEMO_SERVINGPOLICY = "arc-serving", "arc-demo-engine-0", "arc-demo"
 
@@ -143,6 +157,7 @@ class DemoSettings:
     trace: DocQAParams = TRACE
     time_scale: float | None = None  # None: paced to the measured server (arc_dev.pacing)
     simulate_only: bool = False
+    stock: bool = True  # also replay on the server without the plugin
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,13 +172,15 @@ class Prediction:
 
 
 @dataclass(frozen=True, slots=True)
-class PluginCounters:
-    """One scrape of the plugin's block counters and the active policy name."""
+class EngineCounters:
+    """One scrape of the server's counters: vLLM's own, and the plugin's where it runs
+    (zero and None without it)."""
 
-    block_queries: float
-    block_hits: float
-    active_policy: str | None
-    requests_finished: float = 0.0
+    requests_finished: float
+    prefix_hit_tokens: float  # vLLM's vllm:prefix_cache_hits_total
+    block_queries: float = 0.0
+    block_hits: float = 0.0
+    active_policy: str | None = None
 
 
 @dataclass(slots=True)
@@ -233,6 +250,11 @@ def parse_args(argv: Sequence[str] | None = None) -> DemoSettings:
     parser.add_argument("--time-scale", default="auto", help=TIME_SCALE_HELP)
     parser.add_argument("--seed", type=int, default=TRACE.seed, help="trace seed")
     parser.add_argument(
+        "--no-stock",
+        action="store_true",
+        help="skip the replay on the same server without the plugin (the stock row)",
+    )
+    parser.add_argument(
         "--simulate-only",
         action="store_true",
         help="generate the trace and print the simulator's prediction, start no server",
@@ -266,6 +288,7 @@ def parse_args(argv: Sequence[str] | None = None) -> DemoSettings:
         trace=replace(TRACE, seed=args.seed),
         time_scale=time_scale,
         simulate_only=args.simulate_only,
+        stock=not args.no_stock,
     )
 
 
@@ -321,9 +344,22 @@ def _aligned(rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
-def comparison_table(runs: Sequence[PolicyRun], predictions: Sequence[Prediction]) -> str:
-    """One row per policy: measured figures, with the simulator's hit rates next to them."""
+def _ratio(value: float | None, reference: float | None) -> str:
+    return "-" if value is None or not reference else f"{value / reference:.2f}x"
+
+
+def predicted_as(policy: str) -> str:
+    """The simulated policy a row stands for: stock vLLM evicts least recently used first."""
+    return "lru" if policy == STOCK else policy
+
+
+def comparison_table(
+    runs: Sequence[PolicyRun], predictions: Sequence[Prediction], stock: PolicyRun | None = None
+) -> str:
+    """One row per policy (stock first when measured): measured figures, the simulator's hit
+    rates next to them, and TTFT p50 over stock's and over the baseline's (the first run)."""
     predicted = {p.policy: p for p in predictions}
+    baseline = runs[0] if runs else None
     rows = [
         [
             "policy",
@@ -334,13 +370,15 @@ def comparison_table(runs: Sequence[PolicyRun], predictions: Sequence[Prediction
             "token hit",
             "TTFT p50 ms",
             "TTFT p90 ms",
+            f"p50/{STOCK}",
+            f"p50/{baseline.policy if baseline else '-'}",
             "ITL p50 ms",
             "req/s",
             "lag p99 ms",
         ]
     ]
-    for run in runs:
-        prediction = predicted.get(run.policy)
+    for run in ([stock] if stock else []) + list(runs):
+        prediction = predicted.get(predicted_as(run.policy))
         throughput = run.throughput_rps
         rows.append(
             [
@@ -352,6 +390,8 @@ def comparison_table(runs: Sequence[PolicyRun], predictions: Sequence[Prediction
                 _rate(run.token_hit_rate),
                 _ms(run.ttft_p50_s),
                 _ms(run.ttft_p90_s),
+                _ratio(run.ttft_p50_s, stock.ttft_p50_s if stock else None),
+                _ratio(run.ttft_p50_s, baseline.ttft_p50_s if baseline else None),
                 _ms(run.itl_p50_s),
                 "-" if throughput is None else f"{throughput:.2f}",
                 _ms(run.dispatch_lag_p99_s),
@@ -460,10 +500,35 @@ def gain_lines(runs: Sequence[PolicyRun]) -> list[str]:
     return lines
 
 
+def stock_lines(stock: PolicyRun, runs: Sequence[PolicyRun]) -> list[str]:
+    """The stock row against the plugin's: its hit rate against ``lru``'s (the same policy,
+    so within ``STOCK_HIT_TOLERANCE``), and each policy's TTFT p50 against it."""
+    lines = []
+    lru = next((run for run in runs if run.policy == "lru"), None)
+    if lru is not None and lru.block_hit_rate is not None and stock.block_hit_rate is not None:
+        points = 100 * (lru.block_hit_rate - stock.block_hit_rate)
+        met = abs(points) <= 100 * STOCK_HIT_TOLERANCE
+        lines.append(
+            f"target {STOCK} block hit rate = the plugin's lru within "
+            f"{100 * STOCK_HIT_TOLERANCE:.1f} point: {'met' if met else 'MISSED'} "
+            f"({stock.block_hit_rate:.3f} vs {lru.block_hit_rate:.3f}, {points:+.2f} points)"
+        )
+    for run in runs:
+        if stock.ttft_p50_s and run.ttft_p50_s is not None:
+            change = (run.ttft_p50_s - stock.ttft_p50_s) / stock.ttft_p50_s
+            lines.append(
+                f"TTFT p50 {run.policy} vs {STOCK}: {_percent(change)} "
+                f"({'slower' if change > 0 else 'faster'}), p90 "
+                f"{_ratio(run.ttft_p90_s, stock.ttft_p90_s)} of {STOCK}'s"
+            )
+    return lines
+
+
 def plot_comparison(
     runs: Sequence[PolicyRun], predictions: Sequence[Prediction], path: Path, title: str
 ) -> Path:
-    """Bars per policy: measured and predicted block hit rate; measured TTFT p50 and p90."""
+    """Bars per run (``stock`` included when measured): measured and predicted block hit
+    rate; measured TTFT p50 and p90."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -472,15 +537,14 @@ def plot_comparison(
 
     predicted = {p.policy: p for p in predictions}
     names = [run.policy for run in runs]
+    simulated = [predicted.get(predicted_as(name)) for name in names]
     x = np.arange(len(names))
     figure, (hits, ttft) = plt.subplots(1, 2, figsize=(10, 4.2))
     series = [
         ("measured (vLLM)", [run.block_hit_rate or 0.0 for run in runs]),
-        ("simulated, sequential", [predicted[n].sequential if n in predicted else 0.0
-                                   for n in names]),
-        ("simulated, overlapping", [predicted[n].overlapping if n in predicted else 0.0
-                                    for n in names]),
-    ]  # fmt: skip
+        ("simulated, sequential", [p.sequential if p else 0.0 for p in simulated]),
+        ("simulated, overlapping", [p.overlapping if p else 0.0 for p in simulated]),
+    ]
     width = 0.8 / len(series)
     for number, (label, values) in enumerate(series):
         bars = hits.bar(x + (number - 1) * width, values, width, label=label)
@@ -513,51 +577,69 @@ def plot_comparison(
 
 
 # -------------------------------------------------------------------- the server
-def parse_plugin_counters(text: str) -> PluginCounters:
-    """The plugin's block counters (summed over label sets) and active policy from /metrics."""
+def parse_counters(text: str, *, plugin: bool = True) -> EngineCounters:
+    """vLLM's counters, and with ``plugin`` the plugin's block counters (summed over label
+    sets) and active policy, from /metrics. Raises DemoError when the plugin's metrics are
+    missing from a server that should run it, or present on one that should not."""
     from prometheus_client.parser import text_string_to_metric_families
 
     totals = {"arc_evictor_block_queries_total": 0.0, "arc_evictor_block_hits_total": 0.0}
     seen = set()
     active = None
-    finished = 0.0
+    finished = hit_tokens = 0.0
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name == FINISHED_REQUESTS:
                 finished += sample.value
+            elif sample.name == PREFIX_HIT_TOKENS:
+                hit_tokens += sample.value
             elif sample.name in totals:
                 totals[sample.name] += sample.value
                 seen.add(sample.name)
             elif sample.name == "arc_evictor_policy_info" and sample.value == 1:
                 active = sample.labels.get("policy")
+    if not plugin:
+        if seen:
+            raise DemoError(
+                f"the {STOCK} server's /metrics has {', '.join(sorted(seen))}: the plugin runs "
+                f"there (an {CONFIG_ENV} or ARC_EVICTOR_POLICY variable reached it)"
+            )
+        return EngineCounters(finished, hit_tokens)
     missing = sorted(set(totals) - seen)
     if missing:
         raise DemoError(
             f"the server's /metrics has no {', '.join(missing)}: is the arc_evictor plugin "
             f"active ({CONFIG_ENV} set) and PROMETHEUS_MULTIPROC_DIR set?"
         )
-    return PluginCounters(
+    return EngineCounters(
+        finished,
+        hit_tokens,
         totals["arc_evictor_block_queries_total"],
         totals["arc_evictor_block_hits_total"],
         active,
-        finished,
     )
 
 
 class ServerSession:
     """The demo's calls to one running server: switch policy, empty the cache, scrape.
 
-    Invariant: after ``prepare(name)`` returns, the engine runs policy ``name`` and its prefix
-    cache (and the policy's state, ghost lists included) is empty.
+    ``policy_file`` None is the stock server, without the plugin: it has no policy to switch.
+
+    Invariant: after ``prepare(name)`` returns, the engine runs policy ``name`` (``stock``:
+    vLLM's own) and its prefix cache (and the policy's state, ghost lists included) is empty.
     """
 
     def __init__(
-        self, base_url: str, model: str, policy_file: Path, api_key: str | None = None
+        self, base_url: str, model: str, policy_file: Path | None, api_key: str | None = None
     ) -> None:
         self.base_url = base_url
         self.model = model
         self.policy_file = policy_file
         self.api_key = api_key  # the server's key: every request sends it (not only /v1)
+
+    @property
+    def plugin(self) -> bool:
+        return self.policy_file is not None
 
     def _request(self, path: str, body: dict[str, Any] | None = None) -> bytes:
         data = None if body is None else json.dumps(body).encode()
@@ -583,17 +665,23 @@ class ServerSession:
              "min_tokens": max_tokens, "ignore_eos": True},
         )  # fmt: skip
 
-    def counters(self) -> PluginCounters:
-        return parse_plugin_counters(self._request("/metrics").decode())
+    def counters(self) -> EngineCounters:
+        return parse_counters(self._request("/metrics").decode(), plugin=self.plugin)
 
     def write_policy(self, name: str) -> None:
         """Replace the policy file atomically, so the plugin never reads half a file."""
+        if self.policy_file is None:
+            raise DemoError(f"the {STOCK} server has no policy file; cannot switch to {name!r}")
         tmp = self.policy_file.with_suffix(".tmp")
         tmp.write_text(policy_file_text(name))
         os.replace(tmp, self.policy_file)
 
     def prepare(self, name: str) -> None:
-        """Switch the engine to ``name`` (waiting until it reports it), then empty the cache."""
+        """Switch the engine to ``name`` (waiting until it reports it), then empty the cache;
+        on the stock server (``name`` ``stock``) only empty the cache."""
+        if name == STOCK and not self.plugin:
+            self.reset_cache()
+            return
         self.write_policy(name)
         deadline = time.monotonic() + SWITCH_TIMEOUT_S
         # The plugin checks the file between scheduler steps: a request makes steps happen.
@@ -605,6 +693,10 @@ class ServerSession:
                 )
             self.complete([4, 5, 6, 7])
             time.sleep(POLL_MS / 1000)
+        self.reset_cache()
+
+    def reset_cache(self) -> None:
+        """Empty vLLM's prefix cache (``POST /reset_prefix_cache``), retrying while refused."""
         deadline = time.monotonic() + RESET_TIMEOUT_S
         while not json.loads(self._request("/reset_prefix_cache", {}))["success"]:
             # vLLM refuses while blocks are held (a request still finishing): retry.
@@ -629,7 +721,9 @@ def replay_policy(
     """Empty the cache under ``name``, replay ``trace`` with Locust; raise DemoError on failure.
 
     Prints the requests the server has finished every 15 s while the replay runs (``total``
-    is the trace's length, ``scheduled_s`` when its last request is due).
+    is the trace's length, ``scheduled_s`` when its last request is due). On the stock server
+    (``name`` ``stock``) the block counts come from vLLM's own counters: hit tokens over the
+    block size, and the trace's full prompt blocks, which the plugin counts as its queries.
     """
     from arc_loadtest.run import run_replay
 
@@ -665,6 +759,11 @@ def replay_policy(
             f"{summary['requests_failed']} failed, {summary['requests_unsent']} unsent "
             f"(raise the run time or lower the load); log {out / name / 'locust.log'}"
         )
+    if not session.plugin:
+        replayed = load_trace(trace, block_tokens=BLOCK_TOKENS)
+        queried = sum(request.num_blocks for request in replayed)
+        hits = (after.prefix_hit_tokens - before.prefix_hit_tokens) / BLOCK_TOKENS
+        return PolicyRun(name, summary, block_queries=queried, block_hits=hits, seconds=seconds)
     if after.active_policy != name:
         raise DemoError(f"the engine reports policy {after.active_policy!r} after the {name} run")
     return PolicyRun(
@@ -688,22 +787,35 @@ class _BackgroundServer(VllmServer):
         return ["nice", "-n", str(SERVER_NICE), *super().command()]
 
 
+class _StockServer(_BackgroundServer):
+    """The same server with no ``ARC_EVICTOR_*`` variable, so the plugin stays off: vLLM as
+    shipped, even when the demo itself runs with one set."""
+
+    def environment(self) -> dict[str, str]:
+        return {name: value for name, value in super().environment().items()
+                if not name.startswith(PLUGIN_ENV_PREFIX)}  # fmt: skip
+
+
 def demo_server(
-    model_dir: Path, capacity_blocks: int, policy_file: Path, policy: str, log_path: Path
+    model_dir: Path, capacity_blocks: int, policy_file: Path | None, policy: str, log_path: Path
 ) -> VllmServer:
-    """The demo's server (not started): the plugin reads ``policy_file``, written here."""
-    policy_file.write_text(policy_file_text(policy))
-    return _BackgroundServer(
+    """The demo's server (not started): the plugin reads ``policy_file``, written here; with
+    ``policy_file`` None the same server without the plugin (``policy`` must be ``stock``)."""
+    env = {"VLLM_SERVER_DEV_MODE": "1"}  # serves POST /reset_prefix_cache
+    if policy_file is None:
+        if policy != STOCK:
+            raise ValueError(f"a server without the plugin runs {STOCK!r}, not {policy!r}")
+    else:
+        policy_file.write_text(policy_file_text(policy))
+        env |= {CONFIG_ENV: str(policy_file.resolve()), POLL_MS_ENV: str(POLL_MS)}
+    server_class = _StockServer if policy_file is None else _BackgroundServer
+    return server_class(
         model_dir,
         block_size=BLOCK_TOKENS,
         num_gpu_blocks=capacity_blocks + 1,  # + vLLM's null block
         max_model_len=min(MAX_MODEL_LEN, capacity_blocks * BLOCK_TOKENS),
         served_model_name="arc-demo",
-        env={
-            CONFIG_ENV: str(policy_file.resolve()),
-            POLL_MS_ENV: str(POLL_MS),
-            "VLLM_SERVER_DEV_MODE": "1",  # serves POST /reset_prefix_cache
-        },
+        env=env,
         log_path=log_path,
         model_in_engine_process=False,  # the CPU build's own layout: the demo reports its timing
     )
@@ -747,6 +859,38 @@ def pace_to_server(
     return chosen, predictions
 
 
+def warm_up(session: ServerSession) -> None:
+    """The first long prompts of a fresh server process are slower; no run pays for them."""
+    for length in (1_500, 1_000, 500):
+        session.complete([4 + i % 1000 for i in range(length)], max_tokens=8)
+
+
+def replay_on_stock(
+    model_dir: Path,
+    settings: DemoSettings,
+    trace_path: Path,
+    total: int,
+    replay_pace: Pace,
+    clock: StepClock,
+    log_path: Path,
+) -> PolicyRun:
+    """Start the same server without the plugin, warm it up, empty its cache and replay the
+    trace at the plugin's runs' pace: the ``stock`` row."""
+    server = demo_server(model_dir, settings.capacity_blocks, None, STOCK, log_path)
+    with server:
+        clock.step(
+            f"{STOCK}: the same vLLM server without the plugin up at {server.base_url} in "
+            f"{server.startup_seconds:.0f}s (log {log_path})"
+        )
+        session = ServerSession(server.base_url, server.served_model_name, None, server.api_key)
+        warm_up(session)
+        clock.step(f"{STOCK}: empty the cache, replay the trace with Locust at the same pace")
+        return replay_policy(session, STOCK, trace_path, settings.out, tokenizer=model_dir,
+                             time_scale=replay_pace.time_scale,
+                             run_time_s=replay_pace.deadline_s(), total=total,
+                             scheduled_s=replay_pace.duration_s, clock=clock)  # fmt: skip
+
+
 # --------------------------------------------------------------------------- main
 def run_demo(settings: DemoSettings) -> int:
     """The whole demo (see the module docstring); returns the exit status."""
@@ -782,6 +926,7 @@ def run_demo(settings: DemoSettings) -> int:
     )
     policy_file = out / "policy.json"
     runs: list[PolicyRun] = []
+    stock: PolicyRun | None = None
     snapshot_path = out / "dashboards.png"
     snapshot_path.unlink(missing_ok=True)
     try:
@@ -798,9 +943,7 @@ def run_demo(settings: DemoSettings) -> int:
             session = ServerSession(
                 server.base_url, server.served_model_name, policy_file, server.api_key
             )
-            # Warm-up: the first long prompts of a fresh process are slower; no run pays it.
-            for length in (1_500, 1_000, 500):
-                session.complete([4 + i % 1000 for i in range(length)], max_tokens=8)
+            warm_up(session)
             if monitor is not None:
                 monitor.wait_until(lambda: monitor.query("up == 1") != [], SWITCH_TIMEOUT_S,
                                    "Prometheus's first scrape of the engine")  # fmt: skip
@@ -818,6 +961,11 @@ def run_demo(settings: DemoSettings) -> int:
                 snapshot(monitor, load_dashboard("overview.json"), runs_started, time.time(),
                          SCRAPE_INTERVAL_S, snapshot_path)  # fmt: skip
                 clock.step(f"dashboard snapshot {snapshot_path}")
+        if settings.stock:
+            log_path = out / "vllm-stock.log"
+            log_path.unlink(missing_ok=True)
+            stock = replay_on_stock(model_dir, settings, trace_path, len(requests), replay_pace,
+                                    clock, log_path)  # fmt: skip
     except VllmServerError as exc:
         print(f"error: the vLLM server failed: {exc}", file=sys.stderr)
         return 1
@@ -826,16 +974,19 @@ def run_demo(settings: DemoSettings) -> int:
         return 1
     clock.step("done; measured on the real vLLM server, simulated hit rates alongside")
     print()
-    print(comparison_table(runs, predictions))
-    print("\n".join(gain_lines(runs)))
+    print(comparison_table(runs, predictions, stock))
+    print("\n".join(gain_lines(runs) + (stock_lines(stock, runs) if stock else [])))
     title = (
         f"doc-QA trace, {len(requests)} requests, cache {settings.capacity_blocks} blocks of "
         f"{BLOCK_TOKENS} tokens; vLLM CPU build, one server, policy switched live"
+        + (f"; {STOCK}: the same server without the plugin" if stock else "")
     )
-    png = plot_comparison(runs, predictions, out / "demo.png", title)
+    plotted = ([stock] if stock else []) + runs
+    png = plot_comparison(plotted, predictions, out / "demo.png", title)
     report = {
         "settings": {
             "policies": list(settings.policies),
+            "stock": settings.stock,
             "capacity_blocks": settings.capacity_blocks,
             "trace": asdict(params),
             "time_scale": replay_pace.time_scale,
@@ -849,6 +1000,11 @@ def run_demo(settings: DemoSettings) -> int:
              "block_hit_rate": r.block_hit_rate, "seconds": r.seconds, "summary": r.summary}
             for r in runs
         ],
+        "stock": None if stock is None else {
+            "block_queries": stock.block_queries, "block_hits": stock.block_hits,
+            "block_hit_rate": stock.block_hit_rate, "seconds": stock.seconds,
+            "summary": stock.summary,
+        },
         "gains": [asdict(g) for g in gains(runs)],
     }  # fmt: skip
     (out / "demo.json").write_text(json.dumps(report, indent=2) + "\n")
