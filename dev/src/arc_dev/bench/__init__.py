@@ -13,6 +13,11 @@
    same fleet code with one replica.
 3. vLLM adapter: the same request stream through vLLM's own BlockPool with its
    native LRU free queue and with the plugin's policies, and the ratio.
+3b. Per scheduler step at a GPU server's scale (``arc_dev.bench.step``): a document-QA
+   stream through vLLM's real KVCacheManager with pools of 30,000 and 100,000 blocks and
+   64 and 256 running requests; the microseconds of manager calls per step natively and
+   with each policy, what the plugin adds and its share of a 10 ms step; then the plugin's
+   bytes per cached block at those pools, as a share of a 7-8B model's KV block.
 4. Whole process: ``arc-evictor simulate --sequential --policy arc`` on a generated
    12,000-request conversation trace against ``arc_dev.bench.reference``, a naive
    single-file ARC simulator, wall time of each whole process.
@@ -238,6 +243,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--capacity-fraction", type=float, default=0.1, help="cache size over distinct blocks"
     )
+    parser.add_argument(
+        "--step-repeats", type=int, default=2, help="best of this many per-step replays"
+    )
+    parser.add_argument(
+        "--steps-only",
+        action="store_true",
+        help="only the per-step and memory figures at serving scale (arc_dev.bench.step)",
+    )
     # The child process of pure_python_speed: one policy on one trace, accesses per second.
     parser.add_argument("--policy-core-only", choices=BENCH_TRACES, help=argparse.SUPPRESS)
     parser.add_argument("--policy", choices=policy_names(), help=argparse.SUPPRESS)
@@ -250,6 +263,11 @@ def main(argv: list[str] | None = None) -> int:
         print(sum(request.num_blocks for request in requests) / seconds)
         return 0
     print(f"policy core: {'compiled (mypyc)' if compiled() else 'pure Python'}\n")
+    if args.steps_only:
+        from arc_dev.bench import step
+
+        step.main(args.step_repeats)
+        return 0
     routed_inputs = []
     arc_docqa = 0.0
     for kind in BENCH_TRACES:
@@ -328,6 +346,10 @@ def main(argv: list[str] | None = None) -> int:
         )
         if row["pool"] == "plugin":
             plugin_ratios[row["policy"]] = row["ratio_vs_native"]
+    from arc_dev.bench import step
+
+    print()
+    step.main(args.step_repeats)
     with tempfile.TemporaryDirectory() as folder:
         whole = bench_whole_process(Path(folder), args.repeats)
     whole_ratio = whole["simulate"] / whole["reference"]
