@@ -73,6 +73,19 @@ INVALID = [
     ),
     ("zero-router-replicas", _with("routing.replicas", 0), ["spec.routing.replicas"]),
     ("zero-max-model-len", _with("maxModelLen", 0), ["spec.maxModelLen"]),
+    (
+        "model-volume-with-a-hub-id",
+        _with("model.volume", {"persistentVolumeClaim": {"claimName": "models"}}),
+        ["spec.model", "model.name must be an absolute path under /models"],
+    ),
+    (
+        "model-volume-with-two-sources",
+        _with(
+            "model.volume",
+            {"persistentVolumeClaim": {"claimName": "models"}, "hostPath": {"path": "/srv"}},
+        ),
+        ["spec.model.volume", "oneOf"],
+    ),
 ]
 
 

@@ -66,6 +66,8 @@ OPERATOR_ONLY = [
     r"routing\.args may not set",  # operator-owned router flags
     r"env may not set",  # operator-owned environment variables
     r"is not a valid Secret data key",  # "." and "..": the API server's own check
+    r"model\.name must be an absolute path under /models",  # CEL: a volume's model path
+    r"may not contain '\.\.'",  # a hostPath with "..": the API server's own check
     # valueFrom is free-form in the CRD; a bad one would fail at the Deployment instead.
     r"env ['\"].*['\"]: (set value or valueFrom, not both|valueFrom)",
 ]

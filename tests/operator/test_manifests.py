@@ -323,3 +323,99 @@ def test_printer_columns_show_the_routing_policy_in_effect() -> None:
     assert names == ["Policy", "Routing", "Ready", "Hit Rate", "Age"]
     (routing,) = [column for column in columns if column["name"] == "Routing"]
     assert routing["jsonPath"] == ".status.routingPolicy"
+
+
+PVC_MODEL = {
+    "name": "/models/qwen",
+    "servedName": "qwen",
+    "volume": {"persistentVolumeClaim": {"claimName": "models"}},
+}
+
+
+def test_model_volume_is_mounted_read_only_and_the_pod_runs_offline() -> None:
+    spec = make_spec(model=PVC_MODEL)
+    template = manifests.pod_template("demo", parse_spec(spec))["spec"]
+    (container,) = template["containers"]
+    assert {"name": "model", "mountPath": "/models", "readOnly": True} in container["volumeMounts"]
+    assert {
+        "name": "model",
+        "persistentVolumeClaim": {"claimName": "models", "readOnly": True},
+    } in template["volumes"]
+    assert container["args"][container["args"].index("--model") + 1] == "/models/qwen"
+    assert {"name": "HF_HUB_OFFLINE", "value": "1"} in container["env"]
+
+
+def test_host_path_model_must_be_an_existing_directory() -> None:
+    model = {"name": "/models", "volume": {"hostPath": {"path": "/srv/models/qwen"}}}
+    volumes = manifests.pod_template("demo", parse_spec(make_spec(model=model)))["spec"]["volumes"]
+    assert {"name": "model", "hostPath": {"path": "/srv/models/qwen", "type": "Directory"}} in (
+        volumes
+    )
+
+
+def test_without_a_volume_nothing_is_mounted_and_the_hub_stays_reachable() -> None:
+    container = engine_container(make_spec())
+    assert not any(mount["name"] == "model" for mount in container["volumeMounts"])
+    assert "HF_HUB_OFFLINE" not in {var["name"] for var in container["env"]}
+    # Without a volume, HF_HUB_OFFLINE stays the user's to set (an image with the model inside).
+    parse_spec(make_spec(env=[{"name": "HF_HUB_OFFLINE", "value": "1"}]))
+
+
+@pytest.mark.parametrize("source", [PVC_MODEL["volume"], {"hostPath": {"path": "/srv/m"}}])
+def test_model_volume_children_validate_against_kubernetes_schemas(source: dict) -> None:
+    spec = parse_spec(make_spec(model={"name": "/models/qwen", "volume": source}))
+    for child in manifests.children("demo", "serving", spec, PEERS):
+        kubernetes_validate.validate(child, K8S_VERSION, strict=True)
+
+
+@pytest.mark.parametrize(
+    ("model", "problem"),
+    [
+        (
+            {**PVC_MODEL, "name": "Qwen/Qwen2.5-0.5B-Instruct"},
+            "spec.model: with model.volume, model.name must be an absolute path under /models",
+        ),
+        ({**PVC_MODEL, "name": "/data/qwen"}, "must be an absolute path under /models"),
+        ({**PVC_MODEL, "name": "/modelsx"}, "must be an absolute path under /models"),
+        ({**PVC_MODEL, "name": "/models/../etc"}, "must be an absolute path under /models"),
+        (
+            {"name": "/models/q", "volume": {}},
+            "spec.model.volume: exactly one of persistentVolumeClaim or hostPath",
+        ),
+        (
+            {
+                "name": "/models/q",
+                "volume": {
+                    "persistentVolumeClaim": {"claimName": "m"},
+                    "hostPath": {"path": "/srv"},
+                },
+            },
+            "spec.model.volume: exactly one of persistentVolumeClaim or hostPath",
+        ),
+        (
+            {"name": "/models/q", "volume": {"persistentVolumeClaim": {"claimName": "Models"}}},
+            "spec.model.volume.persistentVolumeClaim.claimName: String should match pattern",
+        ),
+        (
+            {"name": "/models/q", "volume": {"hostPath": {"path": "srv/models"}}},
+            "spec.model.volume.hostPath.path: String should match pattern",
+        ),
+        (
+            {"name": "/models/q", "volume": {"hostPath": {"path": "/srv/../etc"}}},
+            "spec.model.volume.hostPath.path: '/srv/../etc' may not contain '..'",
+        ),
+        (
+            {"name": "/models/q", "volume": {"nfs": {"server": "x", "path": "/"}}},
+            "spec.model.volume.nfs: Extra inputs are not permitted",
+        ),
+    ],
+)
+def test_bad_model_volume_is_refused_naming_the_field(model: dict, problem: str) -> None:
+    with pytest.raises(SpecError) as caught:
+        parse_spec(make_spec(model=model))
+    assert problem in str(caught.value)
+
+
+def test_env_may_not_undo_offline_mode_with_a_volume() -> None:
+    with pytest.raises(SpecError, match="env may not set HF_HUB_OFFLINE"):
+        parse_spec(make_spec(model=PVC_MODEL, env=[{"name": "HF_HUB_OFFLINE", "value": "0"}]))

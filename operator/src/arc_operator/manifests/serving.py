@@ -37,7 +37,14 @@ from arc_operator.manifests.common import (
     selector_labels,
     tcp,
 )
-from arc_operator.models import NO_TELEMETRY_ENV, RoutingPolicy, ServingPolicySpec, SwitchMode
+from arc_operator.models import (
+    MODEL_DIR,
+    NO_TELEMETRY_ENV,
+    OFFLINE_ENV,
+    RoutingPolicy,
+    ServingPolicySpec,
+    SwitchMode,
+)
 from arc_serving_common.names import CONFIG_ENV, POLICY_ENV, policy_file_text
 
 CONTAINER = "vllm"
@@ -216,6 +223,7 @@ def _env(spec: ServingPolicySpec) -> list[dict[str, Any]]:
         {"name": METRICS_DIR_ENV, "value": METRICS_DIR},
         *({"name": key, "value": value} for key, value in NO_TELEMETRY_ENV.items()),
         *api_key_env(spec),
+        *({"name": key, "value": value} for key, value in OFFLINE_ENV.items() if spec.model.volume),
     ]
     return owned + [var.model_dump(by_alias=True, exclude_none=True) for var in spec.env]
 
@@ -227,6 +235,20 @@ def _engine_ports(spec: ServingPolicySpec) -> list[dict[str, Any]]:
     return [{"name": n, "containerPort": port, "protocol": "TCP"} for n, port in ports]
 
 
+def _model_volume(spec: ServingPolicySpec) -> list[dict[str, Any]]:
+    """The model's volume, if the spec names one: read-only at the source as well as at the
+    mount, and a hostPath must already be a directory (the kubelet never creates it)."""
+    volume = spec.model.volume
+    if volume is not None and volume.persistent_volume_claim is not None:
+        claim = volume.persistent_volume_claim.claim_name
+        source = {"persistentVolumeClaim": {"claimName": claim, "readOnly": True}}
+    elif volume is not None and volume.host_path is not None:
+        source = {"hostPath": {"path": volume.host_path.path, "type": "Directory"}}
+    else:
+        return []
+    return [{"name": "model", **source}]
+
+
 def pod_template(name: str, spec: ServingPolicySpec) -> dict[str, Any]:
     """The pod template; it names the policy only in Restart mode (see the module doc)."""
     # Only Hot pods mount the policy ConfigMap: a mounted file would switch Restart pods live.
@@ -235,6 +257,10 @@ def pod_template(name: str, spec: ServingPolicySpec) -> dict[str, Any]:
     policy_volumes = [{"name": "policy", "configMap": {"name": config_map_name(name)}}]
     if not _hot(spec):
         policy_mounts, policy_volumes = [], []
+    model_volumes = _model_volume(spec)
+    model_mounts = (
+        [{"name": "model", "mountPath": MODEL_DIR, "readOnly": True}] if model_volumes else []
+    )
     container = hardened_container(
         name=CONTAINER,
         image=spec.image,
@@ -250,6 +276,7 @@ def pod_template(name: str, spec: ServingPolicySpec) -> dict[str, Any]:
         resources=_resources(spec),
         volume_mounts=[
             *policy_mounts,
+            *model_mounts,
             {"name": "home", "mountPath": HOME_DIR},
             {"name": "tmp", "mountPath": TMP_DIR},
             {"name": "dshm", "mountPath": SHM_DIR},
@@ -267,6 +294,7 @@ def pod_template(name: str, spec: ServingPolicySpec) -> dict[str, Any]:
             "containers": [container],
             "volumes": [
                 *policy_volumes,
+                *model_volumes,
                 {"name": "home", "emptyDir": {"sizeLimit": spec.resources.home_size_limit}},
                 {"name": "tmp", "emptyDir": {"sizeLimit": TMP_SIZE_LIMIT}},
                 # vLLM's processes exchange tensors and messages through shared memory.

@@ -16,7 +16,9 @@ from arc_operator.models.settings import OperatorConfig
 from arc_operator.models.spec import (
     DEFAULT_FLEET_ROUTING,
     DEFAULT_KV_AWARE_TEMPERATURE,
+    MODEL_DIR,
     NO_TELEMETRY_ENV,
+    OFFLINE_ENV,
     OWNED_ENV,
     ROUTER_TEMPERATURE,
     WRITABLE_DIR_ENV,
@@ -31,7 +33,9 @@ from arc_operator.models.spec import (
 __all__ = [
     "DEFAULT_FLEET_ROUTING",
     "DEFAULT_KV_AWARE_TEMPERATURE",
+    "MODEL_DIR",
     "NO_TELEMETRY_ENV",
+    "OFFLINE_ENV",
     "OWNED_ENV",
     "ROUTER_TEMPERATURE",
     "WRITABLE_DIR_ENV",

@@ -215,15 +215,111 @@ class SpecError(ValueError):
     """A ServingPolicy spec the operator will not act on; the message names every problem."""
 
 
+# Where a model volume is mounted, read-only, in the vLLM container.
+MODEL_DIR = "/models"
+# Set when the model comes from a volume: the pod must never reach for the Hub (air-gapped
+# clusters), and a missing file then fails at once instead of after a download timeout.
+OFFLINE_ENV = {"HF_HUB_OFFLINE": "1"}
+# A volume's model path: the mount or a path beneath it, as the API server checks it (CEL).
+MODEL_PATH_RULE = (
+    f"self.name == '{MODEL_DIR}' || (self.name.startsWith('{MODEL_DIR}/') && "
+    "!self.name.matches('(^|/)[.][.](/|$)'))"
+)
+MODEL_PATH_PROBLEM = (
+    f"with model.volume, model.name must be an absolute path under {MODEL_DIR} (where the "
+    "volume is mounted), without '..'"
+)
+
+
+def _climbs(path: str) -> bool:
+    """Whether ``path`` has a ``..`` step (which could leave the directory it names)."""
+    return ".." in path.split("/")
+
+
+class PersistentVolumeClaimSource(FrozenModel):
+    """A PersistentVolumeClaim in the ServingPolicy's namespace (Kubernetes' shape)."""
+
+    claim_name: str = Field(
+        max_length=253, pattern=DNS_SUBDOMAIN_PATTERN, description="Name of the claim."
+    )
+
+
+class HostPathSource(FrozenModel):
+    """A directory on the node (Kubernetes' shape); it must exist."""
+
+    path: str = Field(
+        max_length=4096, pattern=r"^/", description="Absolute path of the directory on the node."
+    )
+
+    @field_validator("path")
+    @classmethod
+    def _no_climbing(cls, path: str) -> str:
+        if _climbs(path):
+            raise ValueError(f"{path!r} may not contain '..'")
+        return path
+
+
+class ModelVolume(FrozenModel):
+    """The volume holding the model: exactly one of persistentVolumeClaim or hostPath,
+    always mounted read-only at /models."""
+
+    # The same either-or rule for the API server (the CRD schema is generated from this).
+    model_config = ConfigDict(
+        json_schema_extra={
+            "oneOf": [{"required": ["persistentVolumeClaim"]}, {"required": ["hostPath"]}]
+        }
+    )
+
+    persistent_volume_claim: PersistentVolumeClaimSource | None = Field(
+        default=None, description="A PersistentVolumeClaim holding the model files."
+    )
+    host_path: HostPathSource | None = Field(
+        default=None, description="A directory on every node that may run the pods."
+    )
+
+    @model_validator(mode="after")
+    def _exactly_one_source(self) -> ModelVolume:
+        if (self.persistent_volume_claim is None) == (self.host_path is None):
+            raise ValueError("exactly one of persistentVolumeClaim or hostPath must be set")
+        return self
+
+
 class ModelSource(FrozenModel):
     """Which model the pods serve, and under which name the OpenAI API exposes it."""
 
-    name: str = Field(min_length=1, description="Hugging Face model id or a path in the image.")
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {"rule": f"!has(self.volume) || ({MODEL_PATH_RULE})", "message": MODEL_PATH_PROBLEM}
+            ]
+        }
+    )
+
+    name: str = Field(
+        min_length=1,
+        description=f"Hugging Face model id or a path in the image; with volume, a path under "
+        f"{MODEL_DIR}.",
+    )
     served_name: str | None = Field(
         default=None,
         min_length=1,
         description="Model name clients send in requests (default: the model name).",
     )
+
+    volume: ModelVolume | None = Field(
+        default=None,
+        description=f"Volume holding the model, mounted read-only at {MODEL_DIR}; the pods then "
+        "run with HF_HUB_OFFLINE=1.",
+    )
+
+    @model_validator(mode="after")
+    def _name_in_volume(self) -> ModelSource:
+        if self.volume is None:
+            return self
+        inside = self.name == MODEL_DIR or self.name.startswith(f"{MODEL_DIR}/")
+        if not inside or _climbs(self.name):
+            raise ValueError(f"{MODEL_PATH_PROBLEM}, got {self.name!r}")
+        return self
 
     @property
     def served(self) -> str:
@@ -510,6 +606,12 @@ class ServingPolicySpec(FrozenModel):
         owned_env = sorted({var.name for var in self.env} & OWNED_ENV)
         if owned_env:
             problems.append(f"env may not set {', '.join(owned_env)} (set by the operator)")
+        offline_env = sorted({var.name for var in self.env} & set(OFFLINE_ENV))
+        if self.model.volume is not None and offline_env:
+            problems.append(
+                f"env may not set {', '.join(offline_env)} (set by the operator when "
+                "model.volume is set)"
+            )
         if self.api_key_secret_ref is None and not self.allow_unauthenticated:
             problems.append(
                 "apiKeySecretRef is required (the API is closed by default): name the Secret "
