@@ -165,6 +165,33 @@ def test_default_servingpolicy_reflects_values() -> None:
     assert spec["image"] == "ghcr.io/arc-serving/vllm:0.1.0"
 
 
+def test_model_volume_reaches_the_servingpolicy_and_its_pods() -> None:
+    spec = one(render(ci_values("model-volume-values.yaml")), "ServingPolicy")["spec"]
+    assert spec["model"] == {
+        "name": "/models/Qwen2.5-0.5B-Instruct",
+        "servedName": "qwen",
+        "volume": {"persistentVolumeClaim": {"claimName": "models"}},
+    }
+    template = pod_template("rel", parse_spec(spec))["spec"]
+    assert {
+        "name": "model",
+        "persistentVolumeClaim": {"claimName": "models", "readOnly": True},
+    } in (template["volumes"])
+
+
+def test_host_path_model_volume_renders_only_its_source() -> None:
+    sets = {
+        "servingPolicy.model.name": "/models/qwen",
+        "servingPolicy.model.volume.hostPath.path": "/srv/models",
+    }
+    spec = one(render(sets=sets), "ServingPolicy")["spec"]
+    assert spec["model"]["volume"] == {"hostPath": {"path": "/srv/models"}}
+
+
+def test_default_servingpolicy_serves_from_the_hub_without_a_volume() -> None:
+    assert "volume" not in one(render(), "ServingPolicy")["spec"]["model"]
+
+
 def test_cpu_variant_sizes_the_cache_in_blocks() -> None:
     spec = one(render(ci_values("cpu-values.yaml")), "ServingPolicy")["spec"]
     assert spec["cache"] == {"blockSize": 32, "numBlocks": 256}

@@ -141,6 +141,43 @@ TRACE = "loadtest.trace"
             id="router-pull-policy",
         ),
         pytest.param({"router.image.repository": ""}, "/router/image/repository", id="router-repo"),
+        pytest.param(
+            {
+                "servingPolicy.model.volume.persistentVolumeClaim.claimName": "models",
+                "servingPolicy.model.volume.hostPath.path": "/srv/models",
+            },
+            "/servingPolicy/model/volume",
+            id="model-volume-with-two-sources",
+        ),
+        pytest.param(
+            {"servingPolicy.model.volume.persistentVolumeClaim.claimName": "models"},
+            "/servingPolicy/model/name",
+            id="model-volume-with-a-hub-id",
+        ),
+        pytest.param(
+            {
+                "servingPolicy.model.name": "/models/../etc",
+                "servingPolicy.model.volume.hostPath.path": "/srv/models",
+            },
+            "/servingPolicy/model/name",
+            id="model-path-leaving-the-volume",
+        ),
+        pytest.param(
+            {
+                "servingPolicy.model.name": "/models/q",
+                "servingPolicy.model.volume.hostPath.path": "srv/models",
+            },
+            "/servingPolicy/model/volume/hostPath/path",
+            id="relative-host-path",
+        ),
+        pytest.param(
+            {
+                "servingPolicy.model.name": "/models/q",
+                "servingPolicy.model.volume.nfs.server": "nfs",
+            },
+            "/servingPolicy/model/volume",
+            id="unsupported-model-volume",
+        ),
     ],
 )
 def test_schema_rejects_bad_values(sets: dict[str, str], message: str) -> None:
