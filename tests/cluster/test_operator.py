@@ -17,6 +17,7 @@ from tests.cluster.helpers import (
     Release,
     configured_policy,
     helm_upgrade,
+    reported,
     wait_for,
 )
 
@@ -93,14 +94,14 @@ def test_status_conditions_and_printer_columns(
     name = release.fullname
     ns = release.namespace
 
-    def reported() -> dict[str, Any] | None:
+    def reported_with_router() -> dict[str, Any] | None:
         sp = kube.get("servingpolicy", name, "-n", ns)
         if not sp or sp.get("status", {}).get("observedGeneration") != sp["metadata"]["generation"]:
             return None
         router = _condition(sp, "RouterReady")
         return sp if router and router["status"] == "True" else None
 
-    sp = wait_for("the status with RouterReady=True", reported)
+    sp = wait_for("the status with RouterReady=True", reported_with_router)
     status = sp["status"]
     assert _condition(sp, "Valid")["status"] == "True"
     assert status["routingPolicy"] == "kv_aware"
@@ -173,6 +174,9 @@ def test_helm_upgrade_switches_the_policy_as_the_readme_says(
     `Ready` condition, and Ready is not True here, where no pod serves /metrics, nor anywhere
     while idle pods have not yet applied a hot switch.)"""
     name, ns = release.fullname, release.namespace
+    # The Deployment as the operator left it after the install, not mid-way through its first
+    # reconcile (run alone, this test starts before that reconcile has finished).
+    wait_for("the operator's report on the install", lambda: reported(kube, ns, name))
     before = kube.get("deployment", name, "-n", ns)
     assert before is not None
     helm_upgrade(kube, release, "servingPolicy.policy=LRU")
