@@ -13,19 +13,27 @@ through the chart's own relabelling, ``servingpolicy``: each local target carrie
 ``__meta_kubernetes_*`` labels Kubernetes service discovery would give the pod, and the same
 relabelling rules turn them into target labels.
 
+``pod_monitor_discovery_job`` builds the job the Prometheus Operator writes for a rendered
+PodMonitor, finding pods through ``PodDiscovery``: HTTP service discovery fed by the API server,
+labelled as Kubernetes service discovery labels pods (Debian's Prometheus is built without the
+latter), for the end-to-end tests on a real cluster.
+
 ``load_dashboard``, ``panel_queries``, ``Intervals`` and ``expand`` turn the chart's dashboards
 (the committed JSON) into the queries Grafana would send, for tests and the snapshot.
 
-Invariant: the server only listens on 127.0.0.1 and only scrapes the targets it is given.
+Invariant: the server only listens on 127.0.0.1 and only scrapes the targets it is given or
+the pods its discovery lists.
 """
 
 from __future__ import annotations
 
+import http.server
 import json
 import math
 import re
 import subprocess
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.parse
@@ -101,17 +109,154 @@ def pod_monitor_job(
             for target in targets
         ],
         "relabel_configs": [
-            {"source_labels": ["__meta_kubernetes_namespace"], "target_label": "namespace"},
-            {
-                "source_labels": ["__meta_kubernetes_pod_container_name"],
-                "target_label": "container",
-            },
-            {"source_labels": ["__meta_kubernetes_pod_name"], "target_label": "pod"},
-            {"target_label": "job", "replacement": f"{namespace}/{monitor}"},
-            {"target_label": "endpoint", "replacement": ENGINE_PORT_NAME},
+            *_target_labels(namespace, monitor, ENGINE_PORT_NAME),
             *[dict(rule) for rule in relabelings],
         ],
     }
+
+
+def _target_labels(namespace: str, monitor: str, port: str) -> list[dict[str, Any]]:
+    """The Prometheus Operator's own target labels for PodMonitor ``namespace/monitor``."""
+    return [
+        {"source_labels": ["__meta_kubernetes_namespace"], "target_label": "namespace"},
+        {"source_labels": ["__meta_kubernetes_pod_container_name"], "target_label": "container"},
+        {"source_labels": ["__meta_kubernetes_pod_name"], "target_label": "pod"},
+        {"target_label": "job", "replacement": f"{namespace}/{monitor}"},
+        {"target_label": "endpoint", "replacement": port},
+    ]
+
+
+def _relabeling(rule: Mapping[str, Any]) -> dict[str, Any]:
+    """A PodMonitor relabeling (the operator's camelCase) in Prometheus's own spelling."""
+    spelling = {"sourceLabels": "source_labels", "targetLabel": "target_label"}
+    return {spelling.get(key, key): value for key, value in rule.items()}
+
+
+def _label_meta(label: str) -> str:
+    """A pod label's name in Kubernetes service discovery's meta labels."""
+    return re.sub(r"[^a-zA-Z0-9_]", "_", label)
+
+
+def pod_monitor_discovery_job(
+    pod_monitor: Mapping[str, Any], discovery_url: str, interval_s: float
+) -> dict[str, Any]:
+    """The scrape job the Prometheus Operator writes for a rendered ``pod_monitor`` (its first
+    endpoint), with the pods found through ``discovery_url``, a ``PodDiscovery`` endpoint that
+    gives each pod the meta labels Kubernetes service discovery gives it.
+
+    As the operator does: the monitor's namespace (or every namespace), pods whose labels match
+    the selector's ``matchLabels``, the container port named as the endpoint's, then its own
+    target labels and the monitor's relabelings. ``interval_s`` replaces the monitor's interval
+    (tests scrape faster than a user's 15 s)."""
+    spec = pod_monitor["spec"]
+    endpoint = spec["podMetricsEndpoints"][0]
+    namespace, name = pod_monitor["metadata"]["namespace"], pod_monitor["metadata"]["name"]
+    keep: list[tuple[list[str], str]] = []
+    if not spec.get("namespaceSelector", {}).get("any"):
+        keep.append((["__meta_kubernetes_namespace"], re.escape(namespace)))
+    for label, value in spec["selector"].get("matchLabels", {}).items():
+        meta = _label_meta(label)
+        keep.append(
+            (
+                [
+                    f"__meta_kubernetes_pod_label_{meta}",
+                    f"__meta_kubernetes_pod_labelpresent_{meta}",
+                ],
+                f"({re.escape(value)});true",
+            )
+        )
+    keep.append((["__meta_kubernetes_pod_container_port_name"], endpoint["port"]))
+    interval = f"{int(interval_s * 1000)}ms"
+    return {
+        "job_name": f"podMonitor/{namespace}/{name}/0",
+        "scrape_interval": interval,
+        "scrape_timeout": interval,
+        "metrics_path": endpoint.get("path", "/metrics"),
+        "http_sd_configs": [{"url": discovery_url, "refresh_interval": interval}],
+        "relabel_configs": [
+            {
+                "action": "drop",
+                "source_labels": ["__meta_kubernetes_pod_phase"],
+                "regex": "(Failed|Succeeded)",
+            },
+            *(
+                {"action": "keep", "source_labels": labels, "regex": regex}
+                for labels, regex in keep
+            ),
+            *_target_labels(namespace, name, endpoint["port"]),
+            *[_relabeling(rule) for rule in endpoint.get("relabelings", [])],
+        ],
+    }
+
+
+def pod_targets(pods: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Prometheus HTTP service-discovery target groups for ``pods`` (Kubernetes Pod objects):
+    one per declared container port of a pod with an IP, labelled as Kubernetes service
+    discovery's ``pod`` role labels it (the labels the Prometheus Operator's rules read)."""
+    groups = []
+    for pod in pods:
+        ip = pod.get("status", {}).get("podIP")
+        if not ip:
+            continue
+        meta = pod["metadata"]
+        common = {
+            "__meta_kubernetes_namespace": meta["namespace"],
+            "__meta_kubernetes_pod_name": meta["name"],
+            "__meta_kubernetes_pod_ip": ip,
+            "__meta_kubernetes_pod_node_name": pod["spec"].get("nodeName", ""),
+            "__meta_kubernetes_pod_phase": pod["status"].get("phase", ""),
+        }
+        for label, value in (meta.get("labels") or {}).items():
+            common[f"__meta_kubernetes_pod_label_{_label_meta(label)}"] = value
+            common[f"__meta_kubernetes_pod_labelpresent_{_label_meta(label)}"] = "true"
+        for container in pod["spec"]["containers"]:
+            for port in container.get("ports", []):
+                labels = {
+                    **common,
+                    "__meta_kubernetes_pod_container_name": container["name"],
+                    "__meta_kubernetes_pod_container_port_name": port.get("name", ""),
+                    "__meta_kubernetes_pod_container_port_number": str(port["containerPort"]),
+                }
+                groups.append({"targets": [f"{ip}:{port['containerPort']}"], "labels": labels})
+    return groups
+
+
+class PodDiscovery:
+    """Prometheus HTTP service discovery on 127.0.0.1 serving ``pod_targets(list_pods())`` at
+    each refresh: Kubernetes service discovery's pod role for a Prometheus built without it
+    (Debian's package). Use as ``with PodDiscovery(list_pods) as discovery:``, ``discovery.url``.
+    """
+
+    def __init__(self, list_pods: Callable[[], Sequence[Mapping[str, Any]]]) -> None:
+        self.list_pods = list_pods
+        self._server: http.server.ThreadingHTTPServer | None = None
+        self.url = ""
+
+    def __enter__(self) -> PodDiscovery:
+        list_pods = self.list_pods
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                body = json.dumps(pod_targets(list_pods())).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, format: str, *args: Any) -> None:
+                return
+
+        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self._server.server_address[1]}/targets"
+        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
 
 
 class PrometheusServer:
