@@ -466,6 +466,34 @@ def test_loadtest_host_set_explicitly_wins_over_the_service() -> None:
     assert "--host=https://llm.example.com" in args
 
 
+def test_loadtest_through_the_ingress_reads_the_tokenizer_from_its_volume() -> None:
+    sets = {"loadtest.enabled": "true", "loadtest.trace.existingConfigMap": "t",
+            "loadtest.host": "https://llm.example.com",
+            "loadtest.tokenizer.path": "/models/tiny-llama",
+            "loadtest.tokenizer.volume.hostPath.path": "/srv/models"}  # fmt: skip
+    jobs = [j for j in by_kind(render(sets=sets), "Job") if "-lt-" in j["metadata"]["name"]]
+    assert len(jobs) == 2
+    for job in jobs:
+        pod = job["spec"]["template"]["spec"]
+        (container,) = pod["containers"]
+        assert "--tokenizer=/models/tiny-llama" in container["args"]
+        mount = next(m for m in container["volumeMounts"] if m["name"] == "tokenizer")
+        assert mount == {"name": "tokenizer", "mountPath": "/models", "readOnly": True}
+        volume = next(v for v in pod["volumes"] if v["name"] == "tokenizer")
+        assert volume == {
+            "name": "tokenizer",
+            "hostPath": {"path": "/srv/models", "type": "Directory"},
+        }
+
+
+def test_loadtest_without_a_tokenizer_asks_the_server() -> None:
+    sets = {"loadtest.enabled": "true", "loadtest.trace.existingConfigMap": "t"}
+    for job in (j for j in by_kind(render(sets=sets), "Job") if "-lt-" in j["metadata"]["name"]):
+        pod = job["spec"]["template"]["spec"]
+        assert not any(a.startswith("--tokenizer") for a in pod["containers"][0]["args"])
+        assert "tokenizer" not in {v["name"] for v in pod["volumes"]}
+
+
 def test_new_run_id_replaces_the_loadtest_jobs() -> None:
     base = {"loadtest.enabled": "true", "loadtest.trace.existingConfigMap": "t"}
 

@@ -178,6 +178,23 @@ TRACE = "loadtest.trace"
             "/servingPolicy/model/volume",
             id="unsupported-model-volume",
         ),
+        pytest.param(
+            {
+                "loadtest.tokenizer.path": "/srv/tiny",
+                "loadtest.tokenizer.volume.hostPath.path": "/srv/models",
+            },
+            "/loadtest/tokenizer/path",
+            id="tokenizer-path-outside-its-volume",
+        ),
+        pytest.param(
+            {
+                "loadtest.tokenizer.path": "/models/tiny",
+                "loadtest.tokenizer.volume.hostPath.path": "/srv/models",
+                "loadtest.tokenizer.volume.persistentVolumeClaim.claimName": "models",
+            },
+            "/loadtest/tokenizer/volume",
+            id="tokenizer-volume-with-two-sources",
+        ),
     ],
 )
 def test_schema_rejects_bad_values(sets: dict[str, str], message: str) -> None:
