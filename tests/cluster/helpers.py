@@ -29,7 +29,9 @@ from arc_harness.vllm_server import free_port
 from cluster.local import BIN_DIR, LocalCluster
 
 REPO = Path(__file__).resolve().parents[2]
-OUT = REPO / "out" / "cluster"
+# The cluster's folder, the Makefile's CLUSTER_OUT; ARC_CLUSTER_OUT (relative to the repository
+# or absolute) runs the tests on another, e.g. beside a cluster that runs in out/cluster.
+OUT = REPO / os.environ.get("ARC_CLUSTER_OUT", "out/cluster")
 CHART = REPO / "charts" / "arc-serving"
 HELM = BIN_DIR / "helm"
 # Deadlines sized for a slow, shared 2-core machine; the tests poll and return as soon as
