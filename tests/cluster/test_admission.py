@@ -86,6 +86,41 @@ INVALID = [
         ),
         ["spec.model.volume", "oneOf"],
     ),
+    (
+        "node-selector-key-not-a-label-key",
+        _with("nodeSelector", {"gpu type": "a100"}),
+        ["spec.nodeSelector", "every key must be a label key"],
+    ),
+    (
+        "node-selector-value-not-a-label-value",
+        _with("routing.nodeSelector", {"pool": "cpu pool"}),
+        ["spec.routing.nodeSelector.pool", "should match"],
+    ),
+    (
+        "keyless-toleration-not-exists",
+        _with("tolerations", [{"value": "present"}]),
+        ["spec.tolerations[0]", "operator must be Exists when key is empty"],
+    ),
+    (
+        "exists-toleration-with-a-value",
+        _with("tolerations", [{"key": "nvidia.com/gpu", "operator": "Exists", "value": "x"}]),
+        ["spec.tolerations[0]", "value must be empty when operator is Exists"],
+    ),
+    (
+        "toleration-seconds-without-no-execute",
+        _with("routing.tolerations", [{"key": "spot", "tolerationSeconds": 30}]),
+        ["spec.routing.tolerations[0]", "tolerationSeconds needs effect NoExecute"],
+    ),
+    (
+        "unknown-taint-effect",
+        _with("tolerations", [{"key": "nvidia.com/gpu", "effect": "NoAdmit"}]),
+        ['spec.tolerations[0].effect: Unsupported value: "NoAdmit"'],
+    ),
+    (
+        "comparison-toleration-operator",
+        _with("tolerations", [{"key": "gpu-count", "operator": "Gt", "value": "3"}]),
+        ['spec.tolerations[0].operator: Unsupported value: "Gt"'],
+    ),
 ]
 
 
@@ -116,6 +151,28 @@ def test_example_servingpolicy_passes_server_dry_run(kube: Kube, release: Releas
     assert stored["spec"]["switchMode"] == "Hot"
     assert stored["spec"]["allowUnauthenticated"] is False
     assert stored["spec"]["cache"]["blockSize"] == 16
+    assert not result.stderr, result.stderr
+
+
+def test_placement_is_stored_as_written(kube: Kube, release: Release) -> None:
+    placement = {
+        "nodeSelector": {"nvidia.com/gpu.present": "true"},
+        "tolerations": [
+            {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},
+            {"key": "node.kubernetes.io/unreachable", "operator": "Exists",
+             "effect": "NoExecute", "tolerationSeconds": 300},
+            {"operator": "Exists", "effect": ""},
+        ],
+    }  # fmt: skip
+    body = _with("routing", {"nodeSelector": {"pool": "cpu"}, "tolerations": []})
+    body["spec"].update(placement)
+    result = kube.run(
+        "create", "--dry-run=server", "-n", release.namespace, "-o", "json", "-f", "-",
+        input=json.dumps(body),
+    )  # fmt: skip
+    stored = json.loads(result.stdout)["spec"]
+    assert {key: stored[key] for key in placement} == placement
+    assert stored["routing"]["nodeSelector"] == {"pool": "cpu"}
     assert not result.stderr, result.stderr
 
 

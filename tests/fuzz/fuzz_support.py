@@ -38,12 +38,19 @@ def count(target: str) -> None:
     CASES[target] += 1
 
 
+# Keys of generated maps: mostly label keys, what the CRD's maps hold, and any text.
+MAP_KEYS = st.from_regex(
+    r"([a-z0-9]{1,4}\.[a-z]{1,3}/)?[A-Za-z0-9]([-_.a-z]{0,4}[a-z0-9])?", fullmatch=True
+) | st.text(max_size=8)
+
+
 def from_openapi(schema: dict[str, Any]) -> st.SearchStrategy[Any]:
     """Instances of an OpenAPI 3.0 structural schema (the subset CRDs use), all valid.
 
     Handles object (properties, required, ``oneOf`` of ``required`` lists, preserved unknown
-    fields), string (enum, pattern, min/maxLength), integer and number (minimum, maximum,
-    boolean exclusiveMinimum, multipleOf), boolean and array. Optional properties come and go.
+    fields, maps with a value schema), string (enum, pattern, min/maxLength), integer and
+    number (minimum, maximum, boolean exclusiveMinimum, multipleOf), boolean and array.
+    Optional properties come and go.
     """
     if "enum" in schema:
         return st.sampled_from(schema["enum"])
@@ -51,6 +58,12 @@ def from_openapi(schema: dict[str, Any]) -> st.SearchStrategy[Any]:
     if kind == "object":
         if schema.get("x-kubernetes-preserve-unknown-fields") and "properties" not in schema:
             return st.dictionaries(st.text(max_size=8), st.text(max_size=8), max_size=3)
+        if isinstance(schema.get("additionalProperties"), dict):
+            # A map. Its keys have no schema (a CRD checks them with CEL, if at all): mostly
+            # label keys, the keys Kubernetes maps hold, and any text.
+            values = from_openapi(schema["additionalProperties"])
+            size = min(3, schema.get("maxProperties", 3))
+            return st.dictionaries(MAP_KEYS, values, max_size=size)
         properties = schema.get("properties", {})
         required = set(schema.get("required", []))
         choices = [set(option["required"]) for option in schema.get("oneOf", [])] or [set()]

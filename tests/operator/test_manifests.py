@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import re
 from pathlib import Path
 
 import kubernetes_validate
@@ -419,3 +420,217 @@ def test_bad_model_volume_is_refused_naming_the_field(model: dict, problem: str)
 def test_env_may_not_undo_offline_mode_with_a_volume() -> None:
     with pytest.raises(SpecError, match="env may not set HF_HUB_OFFLINE"):
         parse_spec(make_spec(model=PVC_MODEL, env=[{"name": "HF_HUB_OFFLINE", "value": "0"}]))
+
+
+# --- placement: nodeSelector and tolerations of the serving and the router pods --------------
+
+GPU_NODES = {"nvidia.com/gpu.present": "true", "cloud.google.com/gke-nodepool": "gpu-a100"}
+GPU_TOLERATION = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
+# Every toleration field, the empty strings Kubernetes reads as Equal and "every effect" too.
+EVERY_TOLERATION_FIELD = [
+    GPU_TOLERATION,
+    {"key": "dedicated", "value": "llm", "effect": ""},
+    {"key": "node.kubernetes.io/unreachable", "operator": "Exists", "effect": "NoExecute",
+     "tolerationSeconds": 300},
+    {"key": "spot", "operator": "", "value": "true", "effect": "PreferNoSchedule"},
+    {"operator": "Exists"},
+]  # fmt: skip
+
+
+def placed_pods(spec: dict) -> tuple[dict, dict]:
+    """The serving and the router pod spec of ``spec`` (routed by round_robin)."""
+    parsed = parse_spec(make_spec(**spec))
+    serving = manifests.pod_template("demo", parsed)["spec"]
+    router = manifests.router_pod_template("demo", "ns", parsed, [], "router:1")["spec"]
+    return serving, router
+
+
+def test_serving_placement_reaches_the_serving_pods_and_not_the_router() -> None:
+    serving, router = placed_pods(
+        {
+            "nodeSelector": GPU_NODES,
+            "tolerations": EVERY_TOLERATION_FIELD,
+            "routing": {"policy": "round_robin"},
+        }
+    )
+    assert serving["nodeSelector"] == GPU_NODES
+    # Passed through as written, in order: the API server reads them as Kubernetes does.
+    assert serving["tolerations"] == EVERY_TOLERATION_FIELD
+    assert "nodeSelector" not in router and "tolerations" not in router
+
+
+def test_the_router_has_a_placement_of_its_own() -> None:
+    cpu_nodes = {"node-role.example.com/cpu": ""}
+    spot = [{"key": "spot", "operator": "Exists"}]
+    serving, router = placed_pods(
+        {
+            "nodeSelector": GPU_NODES,
+            "tolerations": [GPU_TOLERATION],
+            "routing": {"policy": "kv_aware", "nodeSelector": cpu_nodes, "tolerations": spot},
+        }
+    )
+    assert router["nodeSelector"] == cpu_nodes and router["tolerations"] == spot
+    assert serving["nodeSelector"] == GPU_NODES and serving["tolerations"] == [GPU_TOLERATION]
+
+
+def test_without_placement_the_pod_specs_are_as_before() -> None:
+    # No empty fields: a spec without placement leaves running pods' templates unchanged.
+    for pod in placed_pods({"routing": {"policy": "round_robin"}}):
+        assert "nodeSelector" not in pod and "tolerations" not in pod
+    for pod in placed_pods(
+        {"nodeSelector": {}, "tolerations": [], "routing": {"policy": "random"}}
+    ):
+        assert "nodeSelector" not in pod and "tolerations" not in pod
+
+
+def test_placement_changes_roll_only_the_pods_they_place() -> None:
+    base = {"routing": {"policy": "round_robin"}}
+    serving, router = placed_pods(base)
+    moved_serving, same_router = placed_pods({**base, "tolerations": [GPU_TOLERATION]})
+    assert moved_serving != serving and same_router == router
+    same_serving, moved_router = placed_pods(
+        {"routing": {"policy": "round_robin", "nodeSelector": {"pool": "cpu"}}}
+    )
+    assert same_serving == serving and moved_router != router
+
+
+@pytest.mark.parametrize("policy", ["kv_aware", "round_robin"])
+def test_placed_children_validate_against_kubernetes_schemas(policy: str) -> None:
+    spec = parse_spec(
+        make_spec(
+            nodeSelector=GPU_NODES,
+            tolerations=EVERY_TOLERATION_FIELD,
+            routing={"policy": policy, "nodeSelector": {"pool": "cpu"},
+                     "tolerations": [{"key": "spot", "operator": "Exists"}]},
+        )
+    )  # fmt: skip
+    endpoints = [manifests.Endpoint("demo-0", "10.0.0.1")]
+    children = [
+        *manifests.children("demo", "serving", spec, PEERS),
+        *manifests.router_children("demo", "serving", spec, endpoints, image="r:1", peers=PEERS),
+    ]
+    for child in children:
+        kubernetes_validate.validate(child, K8S_VERSION, strict=True)
+    # The render command writes the children as YAML: plain strings, no enum objects.
+    assert yaml.safe_load(yaml.safe_dump(children)) == children
+
+
+LABEL_KEY_PROBLEM = "is not a label key: a name of at most 63 characters"
+KEYLESS = "operator must be Exists when key is empty"
+SELECTOR_VALUE = "spec.nodeSelector.pool: String should"
+FIRST = "spec.tolerations[0]"
+
+
+def toleration(**fields: object) -> dict:
+    return {"tolerations": [{"key": "gpu", **fields}]}
+
+
+@pytest.mark.parametrize(
+    ("changes", "problem"),
+    [
+        ({"nodeSelector": {"gpu type": "a"}}, f"spec.nodeSelector: 'gpu type' {LABEL_KEY_PROBLEM}"),
+        ({"nodeSelector": {"a/b/c": "x"}}, f"spec.nodeSelector: 'a/b/c' {LABEL_KEY_PROBLEM}"),
+        # A prefix is a DNS subdomain: lower case.
+        ({"nodeSelector": {"Example.com/gpu": "x"}}, LABEL_KEY_PROBLEM),
+        ({"nodeSelector": {"/gpu": "x"}}, LABEL_KEY_PROBLEM),
+        ({"nodeSelector": {"g" * 64: "x"}}, LABEL_KEY_PROBLEM),
+        ({"nodeSelector": {f"{'p' * 254}/gpu": "x"}}, LABEL_KEY_PROBLEM),
+        ({"nodeSelector": {"pool": "gpu pool"}}, f"{SELECTOR_VALUE} match pattern"),
+        ({"nodeSelector": {"pool": "-gpu"}}, f"{SELECTOR_VALUE} match pattern"),
+        ({"nodeSelector": {"pool": "g" * 64}}, f"{SELECTOR_VALUE} have at most 63 characters"),
+        ({"nodeSelector": {"pool": 1}}, "spec.nodeSelector.pool: Input should be a valid string"),
+        (
+            {"nodeSelector": {f"k{i}": "v" for i in range(65)}},
+            "spec.nodeSelector: Dictionary should have at most 64 items",
+        ),
+        ({"tolerations": [{"value": "x"}]}, f"{FIRST}: {KEYLESS}"),
+        ({"tolerations": [{"key": "", "operator": "Equal"}]}, f"{FIRST}: {KEYLESS}"),
+        (
+            {"tolerations": [GPU_TOLERATION, {"key": "gpu", "operator": "Exists", "value": "y"}]},
+            "spec.tolerations[1]: value must be empty when operator is Exists",
+        ),
+        (
+            toleration(operator="Exists", tolerationSeconds=60),
+            f"{FIRST}: tolerationSeconds needs effect NoExecute",
+        ),
+        (
+            toleration(effect="NoSchedule", tolerationSeconds=60),
+            f"{FIRST}: tolerationSeconds needs effect NoExecute",
+        ),
+        (toleration(operator="In"), f"{FIRST}.operator: Input should be '', 'Equal' or 'Exists'"),
+        # Alpha in Kubernetes 1.35, behind a feature gate a cluster may not have.
+        (toleration(operator="Gt", value="3"), f"{FIRST}.operator: Input should be"),
+        (toleration(effect="NoAdmit"), f"{FIRST}.effect: Input should be '', 'NoSchedule'"),
+        ({"tolerations": [{"key": "gpu type"}]}, f"{FIRST}.key: 'gpu type' {LABEL_KEY_PROBLEM}"),
+        (toleration(value="a b"), f"{FIRST}.value: String should match pattern"),
+        (
+            toleration(effect="NoExecute", tolerationSeconds=1.5),
+            f"{FIRST}.tolerationSeconds: Input should be a valid integer",
+        ),
+        (toleration(taint="x"), f"{FIRST}.taint: Extra inputs are not permitted"),
+        ({"tolerations": [GPU_TOLERATION] * 65}, "spec.tolerations: List should have at most 64"),
+        ({"tolerations": GPU_TOLERATION}, "spec.tolerations: Input should be a valid array"),
+        (
+            {"routing": {"policy": "kv_aware", "tolerations": [{"operator": "Equal"}]}},
+            f"spec.routing.tolerations[0]: {KEYLESS}",
+        ),
+        (
+            {"routing": {"nodeSelector": {"a b": "c"}}},
+            f"spec.routing.nodeSelector: 'a b' {LABEL_KEY_PROBLEM}",
+        ),
+    ],
+)
+def test_bad_placement_is_refused_naming_the_field(changes: dict, problem: str) -> None:
+    with pytest.raises(SpecError) as caught:
+        parse_spec(make_spec(**changes))
+    assert problem in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        "a",
+        "gpu",
+        "nvidia.com/gpu",
+        "node.kubernetes.io/unreachable",
+        "A_b.C-d",
+        "g" * 63,
+        f"{'p' * 253}/gpu",
+        "gpu type",
+        "g" * 64,
+        f"{'p' * 254}/gpu",
+        "Example.com/gpu",
+        "a/b/c",
+        "-gpu",
+        "gpu.",
+        "/gpu",
+        "gpu/",
+    ],
+)
+def test_the_crd_judges_label_keys_as_the_operator_does(key: str) -> None:
+    """The CEL rule over nodeSelector keys and the toleration key's schema refuse exactly the
+    keys the operator refuses (CEL's RE2 and Python read these patterns alike)."""
+    spec = crd.build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    (rule,) = spec["properties"]["nodeSelector"]["x-kubernetes-validations"]
+    cel = re.fullmatch(
+        r"self\.all\(k, k\.matches\(r'(.+)'\) && k\.indexOf\('/'\) <= (\d+)\)", rule["rule"]
+    )
+    assert cel is not None, rule["rule"]
+    pattern, prefix = cel[1], int(cel[2])
+    by_cel = re.search(pattern, key) is not None and key.find("/") <= prefix
+    toleration = spec["properties"]["tolerations"]["items"]
+    key_schema = toleration["properties"]["key"]
+    prefix_rule = f"!has(self.key) || self.key.indexOf('/') <= {prefix}"
+    assert prefix_rule in [rule["rule"] for rule in toleration["x-kubernetes-validations"]]
+    by_schema = (
+        re.search(key_schema["pattern"], key) is not None
+        and len(key) <= key_schema["maxLength"]
+        and key.find("/") <= prefix
+    )
+    try:
+        parse_spec(make_spec(nodeSelector={key: "x"}, tolerations=[{"key": key}]))
+    except SpecError:
+        by_operator = False
+    else:
+        by_operator = True
+    assert by_cel == by_schema == by_operator

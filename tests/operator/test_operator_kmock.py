@@ -307,6 +307,43 @@ async def test_invalid_spec_sets_valid_false_and_changes_nothing(cluster, operat
     assert stored(cluster, CONFIGMAPS, "demo-policy") == configmap_before
 
 
+GPU_TOLERATION = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
+
+
+async def test_placement_reaches_both_deployments_and_a_bad_one_changes_nothing(
+    cluster, operator
+) -> None:
+    placed = make_spec(
+        nodeSelector={"pool": "gpu"},
+        tolerations=[GPU_TOLERATION],
+        routing={"policy": "round_robin", "nodeSelector": {"pool": "cpu"}},
+    )
+    await create_sp(cluster, "demo", placed)
+    router = await eventually(lambda: stored(cluster, DEPLOYMENTS, "demo-router"))
+    await eventually(lambda: condition(cluster, "demo", "Valid").get("status") == "True")
+    serving_pod = template_of(cluster, "demo")["spec"]
+    assert serving_pod["nodeSelector"] == {"pool": "gpu"}
+    assert serving_pod["tolerations"] == [GPU_TOLERATION]
+    router_pod = router["spec"]["template"]["spec"]
+    assert router_pod["nodeSelector"] == {"pool": "cpu"} and "tolerations" not in router_pod
+    serving_before = stored(cluster, DEPLOYMENTS, "demo")
+
+    # A toleration the API server would refuse in a pod: neither Deployment is touched.
+    bad = {"key": "nvidia.com/gpu", "operator": "Exists", "value": "present"}
+    await edit_spec(cluster, "demo", 2, routing={"tolerations": [bad]}, tolerations=[bad])
+    valid = await eventually(
+        lambda: (
+            condition(cluster, "demo", "Valid").get("status") == "False"
+            and condition(cluster, "demo", "Valid")
+        )
+    )
+    assert valid["reason"] == "InvalidSpec"
+    for field in ("spec.tolerations[0]", "spec.routing.tolerations[0]"):
+        assert f"{field}: value must be empty when operator is Exists" in valid["message"]
+    assert stored(cluster, DEPLOYMENTS, "demo") == serving_before
+    assert stored(cluster, DEPLOYMENTS, "demo-router") == router
+
+
 async def test_deleting_the_policy_leaves_cleanup_to_owner_references(cluster, operator) -> None:
     await create_sp(cluster, "demo", make_spec())
     await eventually(lambda: stored(cluster, DEPLOYMENTS, "demo"))

@@ -7,11 +7,12 @@ another part of itself (YAML would print the repeat as an alias).
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from arc_operator import GROUP
-from arc_operator.models import ServingPolicySpec
+from arc_operator.models import ServingPolicySpec, Toleration
 from arc_serving_common.names import API_KEY_ENV
 
 # Both the serving pods and the router serve their API on 8000.
@@ -156,6 +157,22 @@ def pod_security_context(run_as: int) -> dict[str, Any]:
         "fsGroup": run_as,
         "seccompProfile": {"type": "RuntimeDefault"},
     }
+
+
+def placement(
+    node_selector: Mapping[str, str], tolerations: Sequence[Toleration]
+) -> dict[str, Any]:
+    """A pod spec's ``nodeSelector`` and ``tolerations``, each left out when empty: a spec that
+    sets neither gives the pod spec it gave before they existed, so no pod rolls for them."""
+    fields: dict[str, Any] = {}
+    if node_selector:
+        fields["nodeSelector"] = dict(node_selector)
+    if tolerations:
+        fields["tolerations"] = [
+            toleration.model_dump(mode="json", by_alias=True, exclude_none=True)
+            for toleration in tolerations
+        ]
+    return fields
 
 
 def rolling_deployment(

@@ -28,6 +28,7 @@ from arc_operator.manifests.common import (
     Endpoint,
     api_key_env,
     hardened_container,
+    placement,
     pod_security_context,
     probe,
     rolling_deployment,
@@ -154,6 +155,8 @@ def router_pod_template(
             "automountServiceAccountToken": _discovers(spec),
             "enableServiceLinks": False,
             "securityContext": pod_security_context(ROUTER_RUN_AS),
+            # Its own placement, never the vLLM pods' (docs/architecture.md, "Routing").
+            **placement(spec.routing.node_selector, spec.routing.tolerations),
             "containers": [container],
             "volumes": [{"name": "tmp", "emptyDir": {"sizeLimit": ROUTER_TMP_SIZE_LIMIT}}],
         },

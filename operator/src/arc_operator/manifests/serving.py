@@ -30,6 +30,7 @@ from arc_operator.manifests.common import (
     api_key_env,
     hardened_container,
     labels,
+    placement,
     pod_security_context,
     probe,
     rolling_deployment,
@@ -291,6 +292,7 @@ def pod_template(name: str, spec: ServingPolicySpec) -> dict[str, Any]:
             # vLLM never calls the Kubernetes API: no token in the pod to steal.
             "automountServiceAccountToken": False,
             "securityContext": pod_security_context(RUN_AS),
+            **placement(spec.node_selector, spec.tolerations),
             "containers": [container],
             "volumes": [
                 *policy_volumes,

@@ -26,6 +26,7 @@ from arc_operator.models.spec import (
     ServingPolicySpec,
     SpecError,
     SwitchMode,
+    Toleration,
     parse_spec,
     router_arg,
 )
@@ -44,6 +45,7 @@ __all__ = [
     "ServingPolicySpec",
     "SpecError",
     "SwitchMode",
+    "Toleration",
     "parse_spec",
     "router_arg",
 ]

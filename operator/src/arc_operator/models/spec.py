@@ -9,10 +9,19 @@ from __future__ import annotations
 import enum
 import json
 import math
+import re
 from collections.abc import Mapping, Sequence
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar
 
-from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from arc_operator import PLURAL
 from arc_operator.models.base import FrozenModel
@@ -78,7 +87,22 @@ OWNED_ENV = (
     | frozenset(NO_TELEMETRY_ENV)
 )
 # A Secret's name is a DNS subdomain (RFC 1123): lower-case labels joined by dots.
-DNS_SUBDOMAIN_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+DNS_SUBDOMAIN = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*"
+DNS_SUBDOMAIN_PATTERN = f"^{DNS_SUBDOMAIN}$"
+# Kubernetes' label syntax (k8s.io/apimachinery/pkg/util/validation), which node selectors and
+# tolerations follow: a label key is a qualified name, a name of at most 63 characters after an
+# optional DNS subdomain prefix of at most 253 and "/"; a label value is empty or such a name.
+MAX_LABEL_PREFIX = 253
+MAX_LABEL_VALUE = 63
+MAX_LABEL_KEY = MAX_LABEL_PREFIX + 1 + MAX_LABEL_VALUE
+LABEL_NAME = r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?"
+LABEL_KEY = f"({DNS_SUBDOMAIN}/)?{LABEL_NAME}"
+LABEL_VALUE_PATTERN = f"^({LABEL_NAME})?$"
+LABEL_KEY_SYNTAX = (
+    f"a name of at most {MAX_LABEL_VALUE} characters (letters, digits, '-', '_' and '.', "
+    "beginning and ending with a letter or digit), optionally after a DNS subdomain prefix of "
+    f"at most {MAX_LABEL_PREFIX} characters and '/'"
+)
 # A Secret data key (Kubernetes' IsConfigMapKey); "." and ".." are refused by the validator.
 SECRET_KEY_PATTERN = r"^[-._a-zA-Z0-9]+$"
 # The Secret data key that holds the API key when apiKeySecretRef names none.
@@ -436,6 +460,148 @@ ENV_SOURCES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
 }
 
 
+def _label_key(key: str) -> str:
+    """``key`` if it is a Kubernetes label key; ValueError naming the syntax otherwise (the
+    pattern bounds the name; the prefix's length is checked apart, as the CEL rules do)."""
+    if re.fullmatch(LABEL_KEY, key) is None or key.find("/") > MAX_LABEL_PREFIX:
+        raise ValueError(f"{key!r} is not a label key: {LABEL_KEY_SYNTAX}")
+    return key
+
+
+def _label_keys(labels: dict[str, str]) -> dict[str, str]:
+    for key in labels:
+        _label_key(key)
+    return labels
+
+
+# Placement entries one list may hold: beyond any real node's labels and taints, and a bound
+# the API server needs to accept the CEL rules over them (it estimates their cost from it).
+MAX_NODE_SELECTOR = 64
+MAX_TOLERATIONS = 64
+LabelValue = Annotated[
+    str, StringConstraints(max_length=MAX_LABEL_VALUE, pattern=LABEL_VALUE_PATTERN)
+]
+# A map's keys have no schema in a CRD: the API server checks them with a CEL rule.
+NodeSelector = Annotated[
+    dict[str, LabelValue],
+    Field(
+        max_length=MAX_NODE_SELECTOR,
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": f"self.all(k, k.matches(r'^{LABEL_KEY}$') && "
+                    f"k.indexOf('/') <= {MAX_LABEL_PREFIX})",
+                    "message": f"every key must be a label key: {LABEL_KEY_SYNTAX}",
+                }
+            ]
+        },
+    ),
+    AfterValidator(_label_keys),
+]
+
+
+class TolerationOperator(enum.StrEnum):
+    """How a toleration matches a taint's value, as in Kubernetes (empty means Equal). The
+    comparison operators Lt and Gt are alpha in Kubernetes 1.35, behind a feature gate."""
+
+    UNSET = ""
+    EQUAL = "Equal"
+    EXISTS = "Exists"
+
+
+class TaintEffect(enum.StrEnum):
+    """The taint effect a toleration matches; empty matches every effect."""
+
+    ANY = ""
+    NO_SCHEDULE = "NoSchedule"
+    PREFER_NO_SCHEDULE = "PreferNoSchedule"
+    NO_EXECUTE = "NoExecute"
+
+
+# The API server's rules for a pod's tolerations (ValidateTolerations, Kubernetes 1.35) that a
+# field schema cannot hold, worded once for the operator's check and the CRD's CEL rules.
+KEYLESS_PROBLEM = "operator must be Exists when key is empty (which tolerates every taint)"
+EXISTS_VALUE_PROBLEM = "value must be empty when operator is Exists"
+SECONDS_PROBLEM = "tolerationSeconds needs effect NoExecute"
+TOLERATION_RULES = [
+    {
+        "rule": "(has(self.key) && self.key != '') || "
+        "(has(self.operator) && self.operator == 'Exists')",
+        "message": KEYLESS_PROBLEM,
+    },
+    {
+        "rule": "!has(self.operator) || self.operator != 'Exists' || "
+        "!has(self.value) || self.value == ''",
+        "message": EXISTS_VALUE_PROBLEM,
+    },
+    {
+        "rule": "!has(self.tolerationSeconds) || (has(self.effect) && self.effect == 'NoExecute')",
+        "message": SECONDS_PROBLEM,
+    },
+    {
+        "rule": f"!has(self.key) || self.key.indexOf('/') <= {MAX_LABEL_PREFIX}",
+        "message": f"key must be a label key: {LABEL_KEY_SYNTAX}",
+    },
+]
+
+
+class Toleration(FrozenModel):
+    """A Kubernetes toleration (core/v1 Toleration), checked as the API server checks a pod's.
+
+    A key is a label key, and without one the operator is Exists; Exists takes no value, Equal
+    a label value; tolerationSeconds only with effect NoExecute.
+    """
+
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": TOLERATION_RULES})
+
+    # Checked by _label_key (its message names the syntax); the API server by the schema.
+    key: str | None = Field(
+        default=None,
+        json_schema_extra={"maxLength": MAX_LABEL_KEY, "pattern": f"^({LABEL_KEY})?$"},
+        description="Taint key (a label key); empty, with operator Exists, matches every taint.",
+    )
+    operator: TolerationOperator | None = Field(
+        default=None,
+        description="Equal (also when empty) matches the key and value; Exists any value.",
+    )
+    value: LabelValue | None = Field(
+        default=None, description="Taint value (a label value) for Equal; empty for Exists."
+    )
+    effect: TaintEffect | None = Field(
+        default=None,
+        description="Effect to match: NoSchedule, PreferNoSchedule or NoExecute; empty matches "
+        "every effect.",
+    )
+    toleration_seconds: int | None = Field(
+        default=None,
+        json_schema_extra={"format": "int64"},
+        description="With effect NoExecute, how long the pod stays on a node after the taint "
+        "appears (unset: for good; 0 or less: evicted at once).",
+    )
+
+    @field_validator("key")
+    @classmethod
+    def _key_is_a_label_key(cls, key: str | None) -> str | None:
+        return _label_key(key) if key else key
+
+    @model_validator(mode="after")
+    def _kubernetes_rules(self) -> Toleration:
+        exists = self.operator is TolerationOperator.EXISTS
+        problems = []
+        if not self.key and not exists:
+            problems.append(KEYLESS_PROBLEM)
+        if exists and self.value:
+            problems.append(EXISTS_VALUE_PROBLEM)
+        if self.toleration_seconds is not None and self.effect is not TaintEffect.NO_EXECUTE:
+            problems.append(SECONDS_PROBLEM)
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+
+Tolerations = Annotated[list[Toleration], Field(max_length=MAX_TOLERATIONS)]
+
+
 class SecretKeyRef(FrozenModel):
     """A key of a Secret in the ServingPolicy's namespace.
 
@@ -498,6 +664,17 @@ class RoutingSpec(FrozenModel):
         default_factory=list,
         description="Extra router arguments, appended after the ones the operator sets.",
     )
+    # The router's placement is its own: CPU-only router pods should not need, or take, the
+    # GPU nodes' labels and tolerations the vLLM pods have.
+    node_selector: NodeSelector = Field(
+        default_factory=dict,
+        description="Node labels the router pods require (their nodeSelector); none by "
+        "default: the vLLM pods' are not copied.",
+    )
+    tolerations: Tolerations = Field(
+        default_factory=list,
+        description="Taints the router pods tolerate (Kubernetes tolerations); none by default.",
+    )
 
 
 # The API is closed by default: serving without a key must be asked for by name.
@@ -554,6 +731,16 @@ class ServingPolicySpec(FrozenModel):
     max_model_len: int = Field(ge=1, description="Longest request in tokens (--max-model-len).")
     resources: ResourcesSpec = Field(
         default_factory=ResourcesSpec, description="Per-pod GPU, CPU and memory."
+    )
+    node_selector: NodeSelector = Field(
+        default_factory=dict,
+        description="Node labels the vLLM pods require (their nodeSelector), e.g. a GPU node "
+        "pool's.",
+    )
+    tolerations: Tolerations = Field(
+        default_factory=list,
+        description="Taints the vLLM pods tolerate (Kubernetes tolerations), e.g. "
+        "nvidia.com/gpu:NoSchedule on GPU nodes.",
     )
     engine_args: list[str] = Field(
         default_factory=list, description="Extra vLLM arguments, appended after the owned ones."
@@ -704,10 +891,13 @@ class ServingPolicySpec(FrozenModel):
 
 
 def _describe(error: ValidationError) -> str:
-    """One line per problem, each naming the spec field by its camelCase path."""
+    """One line per problem, each naming the spec field by its camelCase path, list items by
+    index as the API server does (``spec.tolerations[0].key``)."""
     lines = []
     for item in error.errors():
-        path = ".".join(["spec", *(str(part) for part in item["loc"])])
+        path = "spec"
+        for part in item["loc"]:
+            path += f"[{part}]" if isinstance(part, int) else f".{part}"
         message = item["msg"].removeprefix("Value error, ")
         lines.append(f"{path}: {message}")
     return "; ".join(lines)
