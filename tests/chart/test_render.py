@@ -24,6 +24,7 @@ from chart_helpers import (
     RELEASE,
     by_kind,
     ci_values,
+    helm_template,
     one,
     render,
     run,
@@ -39,6 +40,7 @@ from arc_operator.manifests import (
     labels,
     pod_template,
     router_labels,
+    router_pod_template,
 )
 from arc_operator.models import DEFAULT_FLEET_ROUTING, RoutingPolicy, parse_spec
 from arc_serving_common.traces import read_trace
@@ -197,6 +199,58 @@ def test_cpu_variant_sizes_the_cache_in_blocks() -> None:
     assert spec["cache"] == {"blockSize": 32, "numBlocks": 256}
     assert spec["resources"] == {"gpus": 0, "cpu": "2", "memory": "8Gi", "homeSizeLimit": "16Gi"}
     assert spec["env"][1]["valueFrom"]["secretKeyRef"] == {"name": "hf-token", "key": "token"}
+
+
+GPU_TOLERATION = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
+
+
+def test_placement_reaches_the_servingpolicy_and_each_kind_of_pod() -> None:
+    spec = one(render(ci_values("placement-values.yaml")), "ServingPolicy")["spec"]
+    gpu_nodes = {
+        "nvidia.com/gpu.present": "true",
+        "node.kubernetes.io/instance-type": "a2-highgpu-1g",
+    }
+    assert spec["nodeSelector"] == gpu_nodes
+    assert spec["tolerations"] == [
+        GPU_TOLERATION,
+        {"key": "node.kubernetes.io/unreachable", "operator": "Exists", "effect": "NoExecute",
+         "tolerationSeconds": 60},
+    ]  # fmt: skip
+    routers = [{"key": "dedicated", "value": "routers", "effect": "NoSchedule"}]
+    assert spec["routing"]["nodeSelector"] == {"pool": "cpu"}
+    assert spec["routing"]["tolerations"] == routers
+    # What the operator makes of it: each kind of pod placed by its own fields.
+    parsed = parse_spec(spec)
+    serving = pod_template("rel", parsed)["spec"]
+    router = router_pod_template("rel", NAMESPACE, parsed, [], "router:1")["spec"]
+    assert serving["nodeSelector"] == gpu_nodes and serving["tolerations"] == spec["tolerations"]
+    assert router["nodeSelector"] == {"pool": "cpu"} and router["tolerations"] == routers
+
+
+def test_default_servingpolicy_places_no_pod() -> None:
+    spec = one(render(sets={"servingPolicy.replicas": "2"}), "ServingPolicy")["spec"]
+    assert "nodeSelector" not in spec and "tolerations" not in spec
+    assert "nodeSelector" not in spec["routing"] and "tolerations" not in spec["routing"]
+
+
+def test_the_router_never_takes_the_engines_placement() -> None:
+    sets = {
+        "servingPolicy.replicas": "2",
+        "servingPolicy.nodeSelector.pool": "gpu",
+        "servingPolicy.tolerations[0].key": "nvidia.com/gpu",
+        "servingPolicy.tolerations[0].operator": "Exists",
+    }
+    spec = one(render(sets=sets), "ServingPolicy")["spec"]
+    assert spec["nodeSelector"] == {"pool": "gpu"}
+    assert spec["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists"}]
+    assert set(spec["routing"]) == {"policy", "replicas", "resources"}
+
+
+def test_label_values_that_read_as_booleans_stay_strings() -> None:
+    result = helm_template(extra=["--set-string", "servingPolicy.nodeSelector.gpu=true"])
+    assert result.returncode == 0, result.stderr
+    policy = one([d for d in yaml.safe_load_all(result.stdout) if d], "ServingPolicy")
+    assert policy["spec"]["nodeSelector"] == {"gpu": "true"}
 
 
 def test_null_unsets_the_default_cache_size() -> None:

@@ -195,6 +195,73 @@ TRACE = "loadtest.trace"
             "/loadtest/tokenizer/volume",
             id="tokenizer-volume-with-two-sources",
         ),
+        pytest.param(
+            {"servingPolicy.nodeSelector.gpu type": "a100"},
+            "at '/servingPolicy/nodeSelector': additional properties 'gpu type' not allowed",
+            id="node-selector-key-not-a-label-key",
+        ),
+        pytest.param(
+            {"servingPolicy.nodeSelector.gpu": "true"},
+            "at '/servingPolicy/nodeSelector/gpu': got boolean, want string",
+            id="node-selector-value-set-as-a-boolean",
+        ),
+        pytest.param(
+            {"servingPolicy.routing.nodeSelector.pool": "cpu pool"},
+            "at '/servingPolicy/routing/nodeSelector/pool': 'cpu pool' does not match pattern",
+            id="node-selector-value-not-a-label-value",
+        ),
+        pytest.param(
+            {f"servingPolicy.nodeSelector.{'p' * 254}/gpu": "a100"},
+            "false schema",
+            id="node-selector-key-prefix-too-long",
+        ),
+        pytest.param(
+            {"servingPolicy.tolerations[0].value": "present"},
+            "at '/servingPolicy/tolerations/0': missing property 'operator'",
+            id="keyless-toleration-not-exists",
+        ),
+        pytest.param(
+            {
+                "servingPolicy.tolerations[0].key": "nvidia.com/gpu",
+                "servingPolicy.tolerations[0].operator": "Exists",
+                "servingPolicy.tolerations[0].value": "present",
+            },
+            "at '/servingPolicy/tolerations/0/value': maxLength: got 7, want 0",
+            id="exists-toleration-with-a-value",
+        ),
+        pytest.param(
+            {
+                "servingPolicy.routing.tolerations[0].key": "spot",
+                "servingPolicy.routing.tolerations[0].effect": "NoSchedule",
+                "servingPolicy.routing.tolerations[0].tolerationSeconds": "30",
+            },
+            "at '/servingPolicy/routing/tolerations/0/effect': value must be 'NoExecute'",
+            id="toleration-seconds-without-no-execute",
+        ),
+        pytest.param(
+            {"servingPolicy.tolerations[0].key": "gpu", "servingPolicy.tolerations[0].effect": "X"},
+            "at '/servingPolicy/tolerations/0/effect': value must be one of '', 'NoSchedule'",
+            id="unknown-taint-effect",
+        ),
+        pytest.param(
+            {
+                "servingPolicy.tolerations[0].key": "gpu",
+                "servingPolicy.tolerations[0].operator": "Gt",
+                "servingPolicy.tolerations[0].value": "3",
+            },
+            "at '/servingPolicy/tolerations/0/operator': value must be one of '', 'Equal'",
+            id="comparison-toleration-operator",
+        ),
+        pytest.param(
+            {"servingPolicy.tolerations[0].key": "gpu type"},
+            "at '/servingPolicy/tolerations/0/key'",
+            id="toleration-key-not-a-label-key",
+        ),
+        pytest.param(
+            {"servingPolicy.tolerations[0].key": "gpu", "servingPolicy.tolerations[0].taint": "x"},
+            "at '/servingPolicy/tolerations/0': additional properties 'taint' not allowed",
+            id="unknown-toleration-field",
+        ),
     ],
 )
 def test_schema_rejects_bad_values(sets: dict[str, str], message: str) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import subprocess
 import tempfile
 from collections.abc import Iterator
@@ -110,6 +111,15 @@ def _resolve(schema: dict[str, Any]) -> dict[str, Any]:
 FREE: dict[str, Any] = {}  # inside an open object: a Kubernetes object passed through as is
 
 
+def key_schema(schema: dict[str, Any], key: str) -> dict[str, Any] | None:
+    """The schema of map key ``key`` by the map's patternProperties (a map whose keys have a
+    syntax, such as a node selector's label keys); None when no pattern takes it."""
+    for pattern, sub in schema.get("patternProperties", {}).items():
+        if isinstance(sub, dict) and re.search(pattern, key):
+            return sub
+    return None
+
+
 def subschema(path: tuple[Any, ...]) -> dict[str, Any] | None:
     """The schema a value at ``path`` must meet (properties, maps, items); FREE inside an
     open object (no additionalProperties: a Kubernetes type the chart passes through, such
@@ -122,6 +132,8 @@ def subschema(path: tuple[Any, ...]) -> dict[str, Any] | None:
             node = node.get("items")  # type: ignore[assignment]
         elif part in node.get("properties", {}):
             node = node["properties"][part]
+        elif (by_pattern := key_schema(node, part)) is not None:
+            node = by_pattern
         elif node.get("type") == "object" and node.get("additionalProperties", True) is True:
             return FREE
         else:
@@ -249,7 +261,7 @@ def test_an_unknown_key_is_refused_unless_the_map_is_free(
     node = BASES[name]
     for part in path:
         node = node[part]
-    if key in node or key in schema.get("properties", {}):
+    if key in node or key in schema.get("properties", {}) or key_schema(schema, key):
         return
     free = schema.get("additionalProperties", True)
     values = put(BASES[name], (*path, key), "x") if path else {**BASES[name], key: "x"}
