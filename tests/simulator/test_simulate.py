@@ -127,6 +127,22 @@ def test_cached_tokens_shorten_modelled_ttft() -> None:
     assert result.ttft_p50_s == pytest.approx(0.001)  # 3 blocks cached: 1 token computed
 
 
+def test_mean_in_flight_is_time_from_arrival_to_last_token_over_the_span() -> None:
+    cost = CostModel(
+        prefill_seconds_per_token=0.001, decode_seconds_per_token=0.01, step_seconds=0.0
+    )
+    # Each alone: 49 uncached tokens then 4 output tokens, 0.089 s; the second queues behind the
+    # first's prefill (0.049 s) when both arrive at once.
+    apart = [request([1, 2, 3], index=0, at=0.0), request([4, 5, 6], index=1, at=10.0)]
+    result = simulate(apart, "lru", 10, sequential=False, cost=cost)
+    assert result.mean_in_flight == pytest.approx(2 * 0.089 / 10.089)
+    together = [request([1, 2, 3], index=0, at=0.0), request([4, 5, 6], index=1, at=0.0)]
+    result = simulate(together, "lru", 10, sequential=False, cost=cost)
+    assert result.mean_in_flight == pytest.approx((0.089 + 0.138) / 0.138)
+    assert simulate(together, "lru", 10, cost=cost).mean_in_flight == pytest.approx(2.0)
+    assert simulate([], "lru", 10).mean_in_flight is None
+
+
 def test_batch_token_budget_makes_requests_wait() -> None:
     cost = CostModel(
         prefill_seconds_per_token=0.0,

@@ -38,8 +38,9 @@ The rules follow the vLLM router's policies (repository vllm-project/router,
   the router's 2**26-character cap read as 2**24 tokens (about four characters
   a token). At a node several replicas share, the router takes whichever its map
   yields first; this model takes the one that reached it last.
-- ``kv_aware`` (vllm-router 0.1.17, read from its binary; the published
-  sources stop at 0.1.15): for each replica i, in registry order, c_i is the
+- ``kv_aware`` (vllm-router 0.1.17, ``src/policies/kv_aware.rs`` of its source
+  distribution on PyPI: ``MultiplicativeScorer``, ``TemperaturePicker``; ``prefix_cost``
+  here): for each replica i, in registry order, c_i is the
   longest run of the request's leading blocks that the router's KV-event index
   credits to i, capped so that at least one prompt token is still computed; the
   request's new prefill tokens there are ``new_i = prompt - c_i * block``, and
@@ -56,7 +57,10 @@ The rules follow the vLLM router's policies (repository vllm-project/router,
   engine step that computed it, which this model places at the end of the
   prefill that computed it (``Replica.published_prefix``); a removal counts at
   once. Offloaded tiers, which the router discounts, do not arise: the plugin
-  publishes GPU blocks only.
+  publishes GPU blocks only. The router's index skips a ``BlockStored`` whose parent it
+  never saw stored (``src/kv_index/indexer.rs``); with caches emptied before the router
+  subscribes that never happens (``arc_dev.fleet_decisions.unanchored_stores``), and the
+  model does not model it.
   With ``affinity_ttl_s`` (the router's ``--kv-aware-session-affinity-ttl-secs``, off by
   default) a request whose session (its ``X-Session-ID``, the load test's session key) was
   routed within that many seconds goes where the session's last request went, whatever the
@@ -67,6 +71,7 @@ The rules follow the vLLM router's policies (repository vllm-project/router,
 
 Ties go where the router's Rust iterators send them: ``min_by_key`` (least load,
 least cost) takes the lowest replica index.
+
 """
 
 from __future__ import annotations
@@ -318,6 +323,18 @@ class CacheAwareRouter:
                     del self._owners[key]
 
 
+def credited_blocks(cached: int, input_length: int, block: int) -> int:
+    """The blocks of a prompt's cached prefix the router credits: at most
+    ``(input_length - 1) // block``, so the last prompt token is always computed."""
+    return min(cached, max(input_length - 1, 0) // block)
+
+
+def prefix_cost(new_tokens: int, in_flight_tokens: int, load: int) -> int:
+    """vllm-router 0.1.17's ``MultiplicativeScorer``: the new prefill tokens plus those in
+    flight on the replica, times its running requests plus the one being placed."""
+    return (new_tokens + in_flight_tokens) * (load + 1)
+
+
 class KvAwareRouter:
     """vllm-router 0.1.17's prefix cost: new prefill tokens plus those in flight, times
     the requests running plus one; with ``affinity_ttl_s``, sessions stay where they went.
@@ -353,19 +370,18 @@ class KvAwareRouter:
         settles the prefills that completed since the last decision."""
         keys = request.keys
         block = request.block_tokens
-        cap = (request.input_length - 1) // block  # the last prompt token is always computed
         loads = view.loads
         scored = []
         for replica in range(self._replicas):
-            credited = min(view.cached_prefix(replica, keys), cap) if keys and cap else 0
+            cached = view.cached_prefix(replica, keys) if keys else 0
+            credited = credited_blocks(cached, request.input_length, block)
             new = request.input_length - credited * block
             in_flight = self._in_flight[replica]
             if in_flight:
                 prefilling = view.prefilling(replica)
                 for index in [index for index in in_flight if index not in prefilling]:
                     del in_flight[index]
-            in_flight_tokens = sum(in_flight.values())
-            scored.append(((new + in_flight_tokens) * (loads[replica] + 1), new))
+            scored.append((prefix_cost(new, sum(in_flight.values()), loads[replica]), new))
         return scored
 
     def route(self, request: TraceRequest, view: FleetView) -> int:

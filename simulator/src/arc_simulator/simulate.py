@@ -114,6 +114,10 @@ class SimulationResult:
     prefill_busy_s: list[float] = field(default_factory=lambda: [0.0])
     pinned_block_s: list[float] = field(default_factory=lambda: [0.0])
     peak_prefill_s: list[float] = field(default_factory=lambda: [0.0])
+    # Per replica, the summed time from each served request's arrival to its last output
+    # token; and the time from the first arrival to the last request's end.
+    in_flight_s: list[float] = field(default_factory=lambda: [0.0])
+    service_span_s: float = 0.0
 
     @property
     def block_hit_rate(self) -> float:
@@ -134,6 +138,15 @@ class SimulationResult:
     def prefill_imbalance(self) -> float:
         """The same for prefill (uncached prompt) tokens, the compute a replica spends."""
         return max(self.prefill_token_shares) * self.replicas
+
+    @property
+    def mean_in_flight(self) -> float | None:
+        """Requests in flight per replica on average from the first arrival to the last
+        request's end (Little's law: summed arrival-to-end times over that span, per
+        replica); what the fleet demo measures on the real servers. None for an empty span."""
+        if self.service_span_s <= 0:
+            return None
+        return sum(self.in_flight_s) / self.service_span_s / self.replicas
 
     @property
     def prefill_utilisations(self) -> list[float] | None:
@@ -249,6 +262,7 @@ class SimulationResult:
         row["offered_prefill"] = self.offered_prefill
         row["offered_kv"] = self.offered_kv
         row["offered_load"] = self.offered_load
+        row["mean_in_flight"] = self.mean_in_flight
         return row
 
 
@@ -328,6 +342,10 @@ def record_load(
     (``utilisations``)."""
     result.span_s = span = trace_span(requests)
     result.prefill_busy_s = [replica.prefill_busy_s for replica in replicas]
+    result.in_flight_s = [replica.in_flight_s for replica in replicas]
+    ends = [replica.last_end for replica in replicas if replica.in_flight_s > 0]
+    first = min((request.timestamp_s for request in requests), default=0.0)
+    result.service_span_s = max(ends) - first if ends else 0.0
     result.pinned_block_s = [replica.pinned_block_s for replica in replicas]
     start = min((request.timestamp_s for request in requests), default=0.0)
     peaks = []
@@ -399,7 +417,9 @@ class Replica:
     The load (both modes; ``record_load`` reads it): ``prefill_busy_s`` sums the prefill
     lane's time per request served, ``prefill_log`` holds (arrival, that time) for each, and
     ``pinned_block_s`` integrates the pool's pinned blocks over time up to ``pinned_since``
-    (overlapping mode only; sequential mode pins nothing over time).
+    (overlapping mode only; sequential mode pins nothing over time); ``in_flight_s`` sums
+    each served request's time from arrival to its last output token, and ``last_end`` is
+    the latest such end.
     """
 
     pool: BlockPool
@@ -419,6 +439,8 @@ class Replica:
     prefill_log: list[tuple[float, float]] = field(default_factory=list)  # (arrival, prefill)
     pinned_since: float = 0.0  # when the pinned count last changed (overlapping mode)
     ttfts: list[float] = field(default_factory=list)
+    in_flight_s: float = 0.0  # summed arrival-to-end time of the requests served
+    last_end: float = 0.0  # when the last request served here ends
     routed: bool = False
     published_at: dict[int, float] = field(default_factory=dict)
     prefill_ends: dict[int, float] = field(default_factory=dict)
@@ -485,7 +507,13 @@ class Replica:
         prefill_end = request.timestamp_s + prefill_time
         if self.routed:
             self._publish(request, computed, prefill_end)
-        return prefill_end + request.output_length * cost.decode_seconds_per_token
+        finish = prefill_end + request.output_length * cost.decode_seconds_per_token
+        self._served(request, finish)
+        return finish
+
+    def _served(self, request: TraceRequest, finish: float) -> None:
+        self.in_flight_s += finish - request.timestamp_s
+        self.last_end = max(self.last_end, finish)
 
     def enqueue(self, position: int, request: TraceRequest) -> None:
         """Overlapping mode: ``request`` (at ``position`` in the trace) joins the queue."""
@@ -568,6 +596,7 @@ class Replica:
             self._publish(request, computed, prefill_end)
         self.ttfts.append(prefill_end - request.timestamp_s)
         finish = prefill_end + request.output_length * cost.decode_seconds_per_token
+        self._served(request, finish)
         heapq.heappush(self.running, (finish, position, request))
         self.running_tokens += request.input_length + request.output_length
         if self.verify:
