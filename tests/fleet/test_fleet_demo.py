@@ -17,10 +17,12 @@ from typing import Any
 import pytest
 
 from arc_dev import fleet_demo
+from arc_dev.fleet_decisions import read_decisions
 from arc_harness.fleet import ROUTER_PORT_OFFSET, server_port, server_url
 from arc_harness.listening import ListenerSampler
 from arc_serving_common.names import KV_AWARE_ROUTER_TEMPERATURE
 from arc_serving_common.traces import TraceRequest, load_trace
+from arc_simulator.fleet import simulate_fleet
 from arc_simulator.routing import ConsistentHashRouter
 
 pytestmark = [pytest.mark.vllm, pytest.mark.locust, pytest.mark.slow]
@@ -50,7 +52,7 @@ def demo_run(
     out = tmp_path_factory.mktemp("demo-fleet")
     settings = fleet_demo.parse_args(
         ["--out", str(out), "--sessions", "4", "--documents", "4", "--port-base", str(PORT_BASE),
-         "--eviction", ",".join(EVICTION)]
+         "--eviction", ",".join(EVICTION), "--record-decisions"]
     )  # fmt: skip
     assert settings.time_scale is None  # paced to the measured replicas
     assert fleet_demo.run_demo(settings) == 0
@@ -98,7 +100,8 @@ def test_every_run_reports_how_busy_the_replicas_were(
 ) -> None:
     _, report = demo_run
     assert all(run["in_flight"] > 0 for run in report["runs"]), report["runs"]
-    assert all(prediction["in_flight"] is None for prediction in report["predictions"])
+    # The model's own figure beside it, from its modelled service times.
+    assert all(prediction["in_flight"] > 0 for prediction in report["predictions"])
 
 
 def test_in_flight_is_the_requests_time_over_the_span_per_replica(tmp_path: Path) -> None:
@@ -110,6 +113,26 @@ def test_in_flight_is_the_requests_time_over_the_span_per_replica(tmp_path: Path
     results = tmp_path / "results.jsonl"
     results.write_text("".join(json.dumps(row) + "\n" for row in rows))
     assert fleet_demo.mean_in_flight(results, replicas=2) == pytest.approx(5.0 / 4.0 / 2)
+
+
+def test_kv_aware_decisions_are_recorded_and_joined(demo_run: tuple[Path, dict[str, Any]]) -> None:
+    """--record-decisions: each kv_aware request's router decision next to the servers' KV
+    events; the simulator's rule makes the router's choice from that state (a few may fall
+    where the router and the load test stamp a change differently), and vLLM reports what it
+    served from cache."""
+    out, report = demo_run
+    for run in report["runs"]:
+        if not run["routing"].startswith("kv_aware"):
+            assert run["decisions"] is None
+            continue
+        run_dir = out / f"kv_aware-{run['eviction']}"
+        assert (run_dir / "kv_events.jsonl").stat().st_size > 0
+        decisions = read_decisions(run_dir / "decisions.jsonl")
+        assert len(decisions) == run["requests"] == run["decisions"]["decisions"]
+        assert sum(d.explained() for d in decisions) >= 0.9 * len(decisions)
+        assert all(d.served_cached_tokens is not None for d in decisions)
+        # Some request found a prefix published, and the router credited it.
+        assert any(d.router_credited_tokens > 0 and d.credit_matches for d in decisions)
 
 
 def test_round_robin_alternates_the_replicas(demo_run: tuple[Path, dict[str, Any]]) -> None:
@@ -203,6 +226,30 @@ def test_the_prediction_follows_each_entrys_router_arguments(tmp_path: Path) -> 
     # random, so it places requests unlike the least-cost rule; so does keeping sessions.
     for other in (drawn, sticky):
         assert other.shares != least_cost.shares or other.block_hits != least_cost.block_hits
+
+
+def test_a_router_that_draws_is_predicted_over_seeds(tmp_path: Path) -> None:
+    settings = fleet_demo.parse_args(["--out", str(tmp_path), "--routing", "kv_aware,round_robin"])
+    requests = demo_requests(settings, tmp_path)
+    drawn, fixed = fleet_demo.predict(requests, settings.routing, ["lru"], settings.capacity_blocks)
+    # kv_aware at the operator's temperature draws its ties: the mean of the seeds, and
+    # their spread.
+    rates = [
+        simulate_fleet(
+            requests, "lru", settings.capacity_blocks, fleet_demo.REPLICAS, "kv_aware",
+            sequential=False, cost=fleet_demo.COST, seed=seed,
+            temperature=KV_AWARE_ROUTER_TEMPERATURE,
+        )[0].block_hit_rate
+        for seed in range(fleet_demo.PREDICTION_SEEDS)
+    ]  # fmt: skip
+    assert drawn.seeds == fleet_demo.PREDICTION_SEEDS
+    assert drawn.block_hit_rate == pytest.approx(sum(rates) / len(rates))
+    assert drawn.block_hit_low is not None and drawn.block_hit_high is not None
+    assert min(rates) <= drawn.block_hit_low < drawn.block_hit_high <= max(rates)
+    assert drawn.shares[0] >= drawn.shares[1]  # largest first
+    # Round robin draws nothing: one run, no spread.
+    assert (fixed.seeds, fixed.block_hit_low, fixed.block_hit_high) == (1, None, None)
+    assert "(" in fleet_demo.table_rows([drawn], [drawn])[0][4]
 
 
 def test_cache_aware_thresholds_reach_the_router_and_the_prediction(tmp_path: Path) -> None:

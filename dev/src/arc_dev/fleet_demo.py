@@ -19,8 +19,16 @@ Steps (each printed with its wall time):
 4. Print one table (measured next to predicted) and write it as ``fleet.md`` and
    ``fleet.json`` under ``--out``: the summed block hit rate (the plugin's block counters over
    both replicas), TTFT p50/p90 (Locust), each replica's share of requests (vLLM's request
-   counter; the table lists the shares largest first, the JSON in server order) and the
-   simulator's figures.
+   counter; the table lists the shares largest first, the JSON in server order), the mean
+   requests in flight per replica, and the simulator's figures. A router that draws
+   (``random``, ``kv_aware`` above temperature 0) is predicted over ``PREDICTION_SEEDS``
+   seeds: the mean, and the 10th to 90th percentile of the hit rate.
+
+With ``--record-decisions`` each ``kv_aware`` replay also writes ``kv_events.jsonl`` (every
+KV-event batch the servers published, as a subscriber received it) and ``decisions.jsonl``
+(``arc_dev.fleet_decisions``: each request's router decision next to the published state it
+was made from and the simulator's rule on that state); the router logs at debug level and the
+servers report each request's cached prompt tokens.
 
 Invariant: a run is only reported when every request of the trace was answered; otherwise
 the demo stops with exit status 1 naming the run and why. Bad arguments exit with status 2
@@ -30,8 +38,10 @@ before anything is started.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import re
+import statistics
 import subprocess
 import sys
 import time
@@ -39,9 +49,18 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 from arc_dev.demo import StepClock, stop_on_sigterm
+from arc_dev.fleet_decisions import (
+    DecisionRecordError,
+    join_decisions,
+    service_times,
+    summarise,
+    unanchored_stores,
+    write_decisions,
+)
+from arc_dev.fleet_decisions import describe as describe_decisions
 from arc_dev.pacing import (
     TIME_SCALE_HELP,
     Pace,
@@ -61,6 +80,8 @@ from arc_harness.fleet import (
     ReplicaStats,
     server_url,
 )
+from arc_harness.kv_events import KvBatch, KvEventRecorder, write_batches
+from arc_loadtest.tokens import TokenMapper, vocabulary_from_tokenizer
 from arc_serving_common.names import KV_AWARE_ROUTER_TEMPERATURE
 from arc_serving_common.traces import TraceRequest, load_trace
 from arc_simulator.fleet import simulate_fleet
@@ -78,7 +99,7 @@ from arc_simulator.routing import (
     check_affinity_ttl,
     check_temperature,
 )
-from arc_simulator.simulate import CostModel
+from arc_simulator.simulate import CostModel, SimulationResult
 
 REPLICAS = 2
 DEFAULT_ROUTING = ("round_robin", "consistent_hash", "cache_aware", "kv_aware")
@@ -116,6 +137,10 @@ COST = CostModel(
     prefill_seconds_per_token=0.22e-3, decode_seconds_per_token=0.008, step_seconds=0.02
 )
 PORT_BASE = 27400
+# A router that draws is predicted over this many seeds: one draw of the model is one sample
+# of a run, and on this trace the draws of kv_aware at temperature 1 spread the hit rate by
+# 2 points (standard deviation) around their mean.
+PREDICTION_SEEDS = 20
 # Offered work per replica as a share of what one replica alone serves, if nothing hit.
 # Replicas on one machine share its memory bandwidth, and the router, Locust and vLLM's own
 # API processes share its cores: at 0.5 two local replicas held about two requests in
@@ -156,6 +181,11 @@ class Routing:
     temperature: float = KV_AWARE_ROUTER_TEMPERATURE
     affinity_ttl_s: int | None = None
     cache_aware: CacheAwareConfig = CACHE_AWARE_DEFAULTS
+
+    @property
+    def draws(self) -> bool:
+        """Whether the router draws at random, so that one prediction is one sample."""
+        return self.policy == "random" or (self.policy == "kv_aware" and self.temperature > 0)
 
     @property
     def label(self) -> str:
@@ -253,15 +283,20 @@ class FleetDemoSettings:
     time_scale: float | None = None  # None: paced to the measured servers (arc_dev.pacing)
     port_base: int = PORT_BASE
     simulate_only: bool = False
+    record_decisions: bool = False
 
 
 @dataclass(frozen=True, slots=True)
 class Figures:
     """One routing x eviction pair's figures, measured or predicted.
 
-    ``shares``: each replica's share of the requests, in replica order (sums to 1).
-    ``in_flight``: the requests' summed time from sending to the last token over the replay's
-    span, per replica (Little's law: how busy the replicas really were).
+    ``shares``: each replica's share of the requests (sums to 1), in replica order; for a
+    prediction over several seeds, the seeds' mean of the shares largest first.
+    ``in_flight``: the requests' summed time from sending (arrival) to the last token over the
+    span from the first sending to the last end, per replica (Little's law: how busy the
+    replicas were). ``seeds``: the simulator runs a prediction averages (1 for a measured run);
+    ``block_hit_low``/``block_hit_high`` the 10th and 90th percentile of their hit rates.
+    ``decisions``: a measured run's ``fleet_decisions.summarise`` (``--record-decisions``).
     """
 
     routing: str
@@ -273,7 +308,11 @@ class Figures:
     ttft_p90_s: float | None
     shares: tuple[float, ...]
     seconds: float = 0.0
-    in_flight: float | None = None  # measured runs: mean requests in flight per replica
+    in_flight: float | None = None
+    seeds: int = 1
+    block_hit_low: float | None = None
+    block_hit_high: float | None = None
+    decisions: dict[str, Any] | None = None
 
     @property
     def block_hit_rate(self) -> float | None:
@@ -338,6 +377,12 @@ def parse_args(argv: Sequence[str] | None = None) -> FleetDemoSettings:
         action="store_true",
         help="print the simulator's prediction only, start nothing",
     )
+    parser.add_argument(
+        "--record-decisions",
+        action="store_true",
+        help="for each kv_aware replay, write the servers' KV events and each request's router "
+        "decision next to the state it was made from (kv_events.jsonl, decisions.jsonl)",
+    )
     args = parser.parse_args(argv)
     try:
         routing = parse_routing(args.routing)
@@ -375,6 +420,7 @@ def parse_args(argv: Sequence[str] | None = None) -> FleetDemoSettings:
         time_scale=time_scale,
         port_base=args.port_base,
         simulate_only=args.simulate_only,
+        record_decisions=args.record_decisions,
     )
 
 
@@ -406,34 +452,81 @@ def predict(
 ) -> list[Figures]:
     """The simulator's fleet of ``REPLICAS`` replicas, overlapping mode, per pair, each
     routing with its arguments; the fleet's server URLs on ``port_base`` place
-    ``consistent_hash``'s ring as the router's."""
+    ``consistent_hash``'s ring as the router's. A routing that draws is the mean of seeds 0
+    to ``PREDICTION_SEEDS - 1``, with the 10th and 90th percentile of their hit rates."""
     worker_urls = [server_url(port_base, index) for index in range(REPLICAS)]
     predictions = []
     for router in routing:
         for policy in eviction:
-            result, _ = simulate_fleet(
-                requests, policy, capacity, REPLICAS, router.policy, sequential=False,
-                cost=cost, temperature=router.temperature, cache_aware=router.cache_aware,
-                worker_urls=worker_urls, affinity_ttl_s=router.affinity_ttl_s,
-            )  # fmt: skip
-            predictions.append(
-                Figures(
-                    router.label,
-                    policy,
-                    result.requests,
-                    result.block_queries,
-                    result.block_hits,
-                    result.ttft_p50_s,
-                    result.ttft_p90_s,
-                    tuple(result.request_shares),
-                )
-            )
+            results = [
+                simulate_fleet(
+                    requests, policy, capacity, REPLICAS, router.policy, sequential=False,
+                    cost=cost, seed=seed, temperature=router.temperature,
+                    cache_aware=router.cache_aware, worker_urls=worker_urls,
+                    affinity_ttl_s=router.affinity_ttl_s,
+                )[0]
+                for seed in range(PREDICTION_SEEDS if router.draws else 1)
+            ]  # fmt: skip
+            predictions.append(_mean_figures(router.label, policy, results))
     return predictions
+
+
+def _mean(values: Sequence[float | None]) -> float | None:
+    present = [value for value in values if value is not None]
+    return statistics.fmean(present) if present else None
+
+
+def _mean_figures(routing: str, eviction: str, results: Sequence[SimulationResult]) -> Figures:
+    """One prediction from the simulator runs of one pair (one run: its own figures)."""
+    if len(results) == 1:
+        (result,) = results
+        return Figures(
+            routing, eviction, result.requests, result.block_queries, result.block_hits,
+            result.ttft_p50_s, result.ttft_p90_s, tuple(result.request_shares),
+            in_flight=result.mean_in_flight,
+        )  # fmt: skip
+    rates = sorted(result.block_hit_rate for result in results)
+    low, high = statistics.quantiles(rates, n=10, method="inclusive")[::8]
+    shares = [sorted(result.request_shares, reverse=True) for result in results]
+    return Figures(
+        routing,
+        eviction,
+        results[0].requests,
+        statistics.fmean(result.block_queries for result in results),
+        statistics.fmean(result.block_hits for result in results),
+        _mean([result.ttft_p50_s for result in results]),
+        _mean([result.ttft_p90_s for result in results]),
+        tuple(statistics.fmean(column) for column in zip(*shares, strict=True)),
+        in_flight=_mean([result.mean_in_flight for result in results]),
+        seeds=len(results),
+        block_hit_low=low,
+        block_hit_high=high,
+    )
 
 
 # ------------------------------------------------------------------------ reports
 def _rate(value: float | None) -> str:
     return "-" if value is None else f"{value:.3f}"
+
+
+def _predicted_rate(prediction: Figures | None) -> str:
+    if prediction is None:
+        return "-"
+    rate = _rate(prediction.block_hit_rate)
+    if prediction.block_hit_low is None or prediction.block_hit_high is None:
+        return rate
+    return f"{rate} ({prediction.block_hit_low:.3f}-{prediction.block_hit_high:.3f})"
+
+
+def _predicted_rate_of(figures: dict[str, Any]) -> str:
+    return (
+        f"{_rate(figures['block_hit_rate'])} "
+        f"({_rate(figures['block_hit_low'])}-{_rate(figures['block_hit_high'])})"
+    )
+
+
+def _flight(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
 
 
 def _ms(value: float | None) -> str:
@@ -458,6 +551,7 @@ HEADER = [
     "shares",
     "sim shares",
     "in flight",
+    "sim in flight",
 ]
 
 
@@ -473,13 +567,14 @@ def table_rows(runs: Sequence[Figures], predictions: Sequence[Figures]) -> list[
                 run.eviction,
                 f"{run.requests}",
                 _rate(run.block_hit_rate),
-                _rate(sim.block_hit_rate if sim else None),
+                _predicted_rate(sim),
                 _ms(run.ttft_p50_s),
                 _ms(run.ttft_p90_s),
                 _ms(sim.ttft_p50_s if sim else None),
                 _shares(run.shares),
                 _shares(sim.shares) if sim else "-",
-                "-" if run.in_flight is None else f"{run.in_flight:.2f}",
+                _flight(run.in_flight),
+                _flight(sim.in_flight if sim else None),
             ]
         )
     return rows
@@ -530,10 +625,13 @@ def replay_pair(
     total: int,
     scheduled_s: float,
     clock: StepClock,
+    record: DecisionRecorder | None = None,
 ) -> Figures:
     """Switch eviction live, empty the caches, replay ``trace`` through the router.
 
-    Prints the requests the replicas have finished every 15 s while the replay runs.
+    Prints the requests the replicas have finished every 15 s while the replay runs. With
+    ``record``, the servers' KV events are recorded during the replay and its decisions
+    joined after it (``DecisionRecorder``).
     """
     from arc_loadtest.run import run_replay
 
@@ -546,9 +644,15 @@ def replay_pair(
     def answered() -> int:
         return int(sum(_delta(before, fleet.per_replica_stats(), "requests")))
 
+    log_start = fleet.router.log_path.stat().st_size if fleet.router.log_path.exists() else 0
     try:
-        with ProgressReporter(f"{routing}/{eviction}", total, answered,
-                              scheduled_s=scheduled_s, print_line=clock.step):  # fmt: skip
+        with (
+            ProgressReporter(f"{routing}/{eviction}", total, answered,
+                             scheduled_s=scheduled_s, print_line=clock.step),
+            KvEventRecorder(
+                [f"tcp://127.0.0.1:{server.kv_event_port}" for server in fleet.servers]
+            ) if record else contextlib.nullcontext() as events,
+        ):  # fmt: skip
             replay = run_replay(
                 fleet.router.url,
                 trace,
@@ -593,6 +697,18 @@ def replay_pair(
             f"the replicas served {total:.0f} requests, Locust counted "
             f"{summary['requests_ok']} ({routing}/{eviction})"
         )
+    decisions = None
+    if record is not None and isinstance(events, KvEventRecorder):
+        with fleet.router.log_path.open("rb") as log:
+            log.seek(log_start)
+            router_log = log.read().decode(errors="replace")
+        decisions = record.write(run_dir, eviction, events.snapshot(), router_log)
+        refit = decisions["at_measured_service_times"]
+        clock.step(
+            f"{routing}/{eviction}: {describe_decisions(decisions)}; the model at the "
+            f"service times measured: hit {_predicted_rate_of(refit)}, in flight "
+            f"{_flight(refit['in_flight'])}"
+        )
     return Figures(
         routing,
         eviction,
@@ -604,7 +720,76 @@ def replay_pair(
         shares=tuple(count / total for count in served),
         seconds=seconds,
         in_flight=mean_in_flight(run_dir / "results.jsonl", len(fleet.servers)),
+        decisions=decisions,
     )
+
+
+@dataclass(frozen=True, slots=True)
+class DecisionRecorder:
+    """What ``--record-decisions`` joins a replay's records with: the trace at the replay's
+    pace, the prompt each request was sent as (the load test's token mapping), the servers'
+    URLs in order, and what the prediction needs (per-replica capacity, port base, the
+    routing being replayed)."""
+
+    requests: Sequence[TraceRequest]
+    mapper: TokenMapper
+    worker_urls: Sequence[str]
+    capacity: int
+    port_base: int
+    routing: Routing = Routing("kv_aware")
+
+    @classmethod
+    def for_fleet(
+        cls,
+        fleet: Fleet,
+        requests: Sequence[TraceRequest],
+        tokenizer: Path,
+        settings: FleetDemoSettings,
+    ) -> Self:
+        # The replay's own mapping: run_replay's default seed, the fleet's block size.
+        vocabulary = vocabulary_from_tokenizer(tokenizer)
+        mapper = TokenMapper(vocabulary, seed=0, block_tokens=BLOCK_TOKENS)
+        urls = [server.url for server in fleet.servers]
+        return cls(requests, mapper, urls, settings.capacity_blocks, settings.port_base)
+
+    def write(
+        self, run_dir: Path, eviction: str, batches: Sequence[KvBatch], router_log: str
+    ) -> dict[str, Any]:
+        """Write ``kv_events.jsonl`` and ``decisions.jsonl`` into ``run_dir``; return the
+        decisions' summary, with the model's prediction at the service times the replay
+        measured (``fleet_decisions.service_times``) beside the one made before it."""
+        write_batches(run_dir / "kv_events.jsonl", batches)
+        rows = [
+            json.loads(line)
+            for line in (run_dir / "results.jsonl").read_text().splitlines()
+            if line.strip()
+        ]
+        try:
+            decisions = join_decisions(
+                self.requests,
+                lambda request: self.mapper.prompt(request.hash_ids, request.input_length),
+                rows, router_log, batches, self.worker_urls, BLOCK_TOKENS,
+            )  # fmt: skip
+        except DecisionRecordError as exc:
+            raise FleetDemoError(f"the decisions of {run_dir} do not join: {exc}") from exc
+        write_decisions(run_dir / "decisions.jsonl", decisions)
+        try:
+            measured = service_times(decisions, rows)
+        except DecisionRecordError as exc:
+            raise FleetDemoError(f"{run_dir}: {exc}") from exc
+        (prediction,) = predict(
+            self.requests, [self.routing], [eviction], self.capacity, measured, self.port_base
+        )
+        return summarise(decisions) | {
+            "unanchored_stores": unanchored_stores(batches),
+            "at_measured_service_times": {
+                "cost_model": asdict(measured),
+                "block_hit_rate": prediction.block_hit_rate,
+                "block_hit_low": prediction.block_hit_low,
+                "block_hit_high": prediction.block_hit_high,
+                "in_flight": prediction.in_flight,
+            },
+        }
 
 
 def mean_in_flight(results: Path, replicas: int) -> float | None:
@@ -692,6 +877,12 @@ def pace_to_fleet(
     return chosen, cost, predictions
 
 
+def _router_args(routing: Routing, record: bool) -> list[str]:
+    """The router's flags for ``routing``; recording logs each kv_aware decision (debug)."""
+    args = routing.router_args()
+    return [*args, "--log-level", "debug"] if record and routing.policy == "kv_aware" else args
+
+
 def run_demo(settings: FleetDemoSettings) -> int:
     """The whole demo (see the module docstring); returns the exit status."""
     from arc_harness.tinymodel import build_tiny_llama
@@ -720,11 +911,12 @@ def run_demo(settings: FleetDemoSettings) -> int:
                               port_base=settings.port_base)  # fmt: skip
         header = ["routing", "eviction", "sim hit", "sim TTFT p50 ms", "sim TTFT p90 ms",
                   "sim shares"]  # fmt: skip
-        rows = [[p.routing, p.eviction, _rate(p.block_hit_rate), _ms(p.ttft_p50_s),
+        rows = [[p.routing, p.eviction, _predicted_rate(p), _ms(p.ttft_p50_s),
                  _ms(p.ttft_p90_s), _shares(p.shares)] for p in predictions]  # fmt: skip
         print(text_table(header, rows))
         return 0
     model_dir = build_tiny_llama(out / "model", **MODEL)
+    record = settings.record_decisions
     fleet = Fleet(
         model_dir,
         work_dir=out / "fleet",
@@ -733,7 +925,9 @@ def run_demo(settings: FleetDemoSettings) -> int:
         eviction=settings.eviction[0],
         capacity_blocks=settings.capacity_blocks,
         port_base=settings.port_base,
-        router_args=settings.routing[0].router_args(),
+        # Each request's cached prompt tokens in its answer: what the decisions record serves.
+        server_args=["--enable-prompt-tokens-details"] if record else [],
+        router_args=_router_args(settings.routing[0], record),
     )
     runs: list[Figures] = []
     try:
@@ -743,12 +937,16 @@ def run_demo(settings: FleetDemoSettings) -> int:
                 f"{fleet.router.url} (logs {fleet.work_dir})"
             )
             replay_pace, cost, predictions = pace_to_fleet(fleet, requests, settings, clock)
+            scaled = [
+                replace(r, timestamp_s=r.timestamp_s * replay_pace.time_scale) for r in requests
+            ]
+            recorder = (
+                DecisionRecorder.for_fleet(fleet, scaled, model_dir, settings) if record else None
+            )
             for routing in settings.routing:
-                if (fleet.router.policy, fleet.router.extra_args) != (
-                    routing.policy,
-                    routing.router_args(),
-                ):
-                    fleet.router.restart(routing.policy, routing.router_args())
+                args = _router_args(routing, record)
+                if (fleet.router.policy, fleet.router.extra_args) != (routing.policy, args):
+                    fleet.router.restart(routing.policy, args)
                 for eviction in settings.eviction:
                     run = replay_pair(
                         fleet,
@@ -762,6 +960,11 @@ def run_demo(settings: FleetDemoSettings) -> int:
                         total=len(requests),
                         scheduled_s=replay_pace.duration_s,
                         clock=clock,
+                        record=(
+                            replace(recorder, routing=routing)
+                            if recorder and routing.policy == "kv_aware"
+                            else None
+                        ),
                     )
                     runs.append(run)
                     clock.step(
