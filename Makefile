@@ -90,7 +90,7 @@ test: $(STAMP) tools cluster-binaries cluster-crds images-local
 
 # The fast tier for a developer's loop: everything that starts no vLLM server, no Locust run
 # and nothing else marked slow, with a tenth of each fuzz target's cases, on every core.
-test-fast: $(STAMP) tools
+test-fast: $(STAMP) tools $(GATEWAY_API_CRD_FILES)
 	ARC_FUZZ_FRACTION=0.1 $(ISOLATED) $(PY) -m pytest -n auto --dist worksteal \
 	  -m "not vllm and not locust and not slow"
 
@@ -295,21 +295,37 @@ $(CLUSTER_KWOK_BINS): $(TOOLS)/bin/%: $(KWOK_MOD)/go.mod $(KWOK_MOD)/go.sum
 	  sigs.k8s.io/kwok/cmd/$*
 	@touch $@
 
-# The Prometheus Operator's CRDs (PodMonitor, ServiceMonitor, PrometheusRule) for the chart's
-# monitoring variants in tests/cluster, from the Go module of the same project.
+# Third-party CRDs the chart's variants need, copied from their projects' Go modules (the module
+# proxy serves each release's tree) for tests/cluster to apply:
+# - the Prometheus Operator's (PodMonitor, ServiceMonitor, PrometheusRule) for the monitoring
+#   variants, into $(CLUSTER_OUT)/crds/;
+# - the Gateway API's standard channel (GatewayClass, Gateway, HTTPRoute) for the HTTPRoute,
+#   into $(CLUSTER_OUT)/crds/gateway-api/: tests/chart also validates the rendered route with
+#   the HTTPRoute CRD's schema.
 PROMETHEUS_OPERATOR_MOD ?= github.com/prometheus-operator/prometheus-operator@v0.85.0
 MONITORING_CRDS := podmonitors servicemonitors prometheusrules
-CLUSTER_CRDS := $(MONITORING_CRDS:%=$(CLUSTER_OUT)/crds/monitoring.coreos.com_%.yaml)
+MONITORING_CRD_FILES := $(MONITORING_CRDS:%=$(CLUSTER_OUT)/crds/monitoring.coreos.com_%.yaml)
+GATEWAY_API_MOD ?= sigs.k8s.io/gateway-api@v1.6.3
+GATEWAY_API_CRDS := gatewayclasses gateways httproutes
+GATEWAY_API_CRD_FILES := \
+  $(GATEWAY_API_CRDS:%=$(CLUSTER_OUT)/crds/gateway-api/gateway.networking.k8s.io_%.yaml)
+CLUSTER_CRDS := $(MONITORING_CRD_FILES) $(GATEWAY_API_CRD_FILES)
 
-$(CLUSTER_CRDS) &:
-	@mkdir -p $(CLUSTER_OUT)/crds
-	@tmp=$$(mktemp -d) && trap 'rm -rf "$$tmp"' EXIT && \
-	  dir=$$(cd "$$tmp" && go mod download -json $(PROMETHEUS_OPERATOR_MOD) | \
-	  sed -n 's/^\t"Dir": "\(.*\)",$$/\1/p') && test -n "$$dir" && \
-	  for crd in $(MONITORING_CRDS); do \
-	    install -m 0644 "$$dir/example/prometheus-operator-crd/monitoring.coreos.com_$$crd.yaml" \
-	      $(CLUSTER_OUT)/crds/ || exit 1; \
-	  done
+# $(call copy_crds,MODULE@VERSION,FOLDER IN THE MODULE,FILES): download the module (a no-op
+# when Go's module cache has it) and copy the module's FOLDER/NAME for each of FILES there.
+copy_crds = @mkdir -p $(sort $(dir $(3))) && \
+  tmp=$$(mktemp -d) && trap 'rm -rf "$$tmp"' EXIT && \
+  dir=$$(cd "$$tmp" && go mod download -json $(1) | \
+  sed -n 's/^\t"Dir": "\(.*\)",$$/\1/p') && test -n "$$dir" && \
+  for file in $(3); do \
+    install -m 0644 "$$dir/$(2)/$$(basename "$$file")" "$$file" || exit 1; \
+  done
+
+$(MONITORING_CRD_FILES) &:
+	$(call copy_crds,$(PROMETHEUS_OPERATOR_MOD),example/prometheus-operator-crd,$(MONITORING_CRD_FILES))
+
+$(GATEWAY_API_CRD_FILES) &:
+	$(call copy_crds,$(GATEWAY_API_MOD),config/crd/standard,$(GATEWAY_API_CRD_FILES))
 
 .PHONY: cluster-binaries cluster-crds cluster cluster-down cluster-shell test-cluster
 cluster-binaries: $(CLUSTER_K8S_BINS) $(CLUSTER_KWOK_BINS) $(KUBECTL) $(HELM)
