@@ -30,6 +30,9 @@ RBAC_FILE = CHART / "files" / "operator-rbac-rules.yaml"
 # The dashboards' generator, a script next to the JSON it writes (excluded from the package).
 DASHBOARDS_GENERATOR = CHART / "dashboards" / "generate.py"
 ALERTS_FILE = CHART / "files" / "alerts.yaml"
+# The Gateway API's standard CRDs, which `make cluster-crds` copies from the project's Go module
+# into the Makefile's CLUSTER_OUT (out/cluster).
+HTTPROUTE_CRD = REPO / "out/cluster/crds/gateway-api/gateway.networking.k8s.io_httproutes.yaml"
 RELEASE = "rel"
 NAMESPACE = "llm"
 # Every helm call is bounded; rendering this chart takes well under a second.
@@ -72,6 +75,16 @@ def run(args: list[str | Path], cwd: Path = REPO) -> subprocess.CompletedProcess
         timeout=HELM_TIMEOUT_S,
         check=False,
     )
+
+
+@cache
+def httproute_schema() -> dict[str, Any]:
+    """The openAPIV3Schema of the HTTPRoute CRD's v1 (the version the chart renders)."""
+    if not HTTPROUTE_CRD.is_file():
+        pytest.fail(f"{HTTPROUTE_CRD} is missing: run `make cluster-crds` (the Gateway API CRDs)")
+    crd = yaml.safe_load(HTTPROUTE_CRD.read_text(encoding="utf-8"))
+    (v1,) = [version for version in crd["spec"]["versions"] if version["name"] == "v1"]
+    return v1["schema"]["openAPIV3Schema"]
 
 
 def helm_template(

@@ -257,6 +257,48 @@ def test_ingress_reaches_the_router_and_only_the_router_reaches_the_engines() ->
     )
 
 
+def gateway_pod(name: str) -> dict[str, str]:
+    """A Gateway's proxy pod as GEP-1762's implementations label it."""
+    return {"gateway.networking.k8s.io/gateway-name": name, "app": "proxy"}
+
+
+def test_the_httproutes_gateways_reach_the_router() -> None:
+    objects = render(ci_values("httproute-values.yaml"))
+    (router,) = by_kind(router_children(objects, NAMESPACE), "NetworkPolicy")
+    kubernetes_validate.validate(router, K8S_VERSION, strict=True)
+    assert admitted(router, "gateway-system", gateway_pod("public"), manifests.PORT)
+    assert not admitted(router, "gateway-system", gateway_pod("private"), manifests.PORT)
+    assert not admitted(router, NAMESPACE, gateway_pod("public"), manifests.PORT)
+    # Two listeners of one Gateway: one peer.
+    assert (
+        len(operator_config(objects).peers())
+        == len(operator_config(render(sets={"servingPolicy.replicas": "2"})).peers()) + 1
+    )
+    assert not admitted(engine_policy(objects), "gateway-system", gateway_pod("public"), 8000)
+
+
+def test_a_gateway_in_the_release_namespace_reaches_the_serving_pods() -> None:
+    sets = {
+        "httpRoute.enabled": "true",
+        "httpRoute.parentRefs[0].name": "edge",
+        # A Gateway name longer than a label value: no pod carries it, so no peer for it.
+        "httpRoute.parentRefs[1].name": "g" * 64,
+    }
+    objects = render(sets=sets)
+    engines = engine_policy(objects)
+    assert admitted(engines, NAMESPACE, gateway_pod("edge"), manifests.PORT)
+    assert not admitted(engines, "gateway-system", gateway_pod("edge"), manifests.PORT)
+    peers = operator_config(objects).peers()
+    assert peers is not None
+    assert not any("g" * 64 in str(peer) for peer in peers)
+
+
+def test_without_the_httproute_no_gateway_is_admitted() -> None:
+    sets = {"httpRoute.parentRefs[0].name": "edge"}
+    engines = engine_policy(render(sets=sets))
+    assert not admitted(engines, NAMESPACE, gateway_pod("edge"), manifests.PORT)
+
+
 def test_without_a_router_the_api_clients_reach_the_serving_pods() -> None:
     objects = render(sets={"servingPolicy.replicas": "3", "servingPolicy.routing.policy": "none"})
     engines = engine_policy(objects)

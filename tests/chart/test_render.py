@@ -25,6 +25,7 @@ from chart_helpers import (
     by_kind,
     ci_values,
     helm_template,
+    httproute_schema,
     one,
     render,
     run,
@@ -47,7 +48,7 @@ from arc_serving_common.traces import read_trace
 
 K8S_VERSION = "1.35.0"
 # Kinds from CRDs: checked by their own tests (ServingPolicy against the CRD, the rest below).
-CUSTOM_KINDS = {"ServingPolicy", "PodMonitor", "ServiceMonitor", "PrometheusRule"}
+CUSTOM_KINDS = {"ServingPolicy", "PodMonitor", "ServiceMonitor", "PrometheusRule", "HTTPRoute"}
 DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 # helm refuses release names longer than 53 characters.
 LONGEST_RELEASE = "r" * 53
@@ -642,8 +643,10 @@ def test_router_monitors_scrape_only_the_routers_metrics_port(kind: str) -> None
 
 
 def fleet_targets(objects: list[dict[str, Any]]) -> dict[str, str]:
-    """Where the Ingress, the load test and helm test send requests (Service names)."""
+    """Where the Ingress, the HTTPRoute, the load test and helm test send requests (Service
+    names)."""
     ingress = one(objects, "Ingress")["spec"]["rules"][0]["http"]["paths"][0]["backend"]
+    (route_backend,) = one(objects, "HTTPRoute")["spec"]["rules"][0]["backendRefs"]
     master = next(j for j in by_kind(objects, "Job") if "lt-master" in j["metadata"]["name"])
     (host,) = [
         arg.removeprefix("--host=http://")
@@ -652,15 +655,20 @@ def fleet_targets(objects: list[dict[str, Any]]) -> dict[str, str]:
     ]
     script = one(objects, "Pod")["spec"]["containers"][0]["args"][0]
     (test_host,) = set(re.findall(r"http://([-a-z0-9.]+):8000/", script))
+    assert route_backend["port"] == PORT
     return {
         "ingress": ingress["service"]["name"],
+        "httproute": route_backend["name"],
         "loadtest": host.removesuffix(f".{NAMESPACE}.svc:{PORT}"),
         "test": test_host,
     }
 
 
+# An HTTPRoute on Gateway "public" in the release namespace.
+ROUTE = {"httpRoute.enabled": "true", "httpRoute.parentRefs[0].name": "public"}
 TARGETS = {"ingress.enabled": "true", "loadtest.enabled": "true",
-           "loadtest.trace.existingConfigMap": "t"}  # fmt: skip
+           "loadtest.trace.existingConfigMap": "t", **ROUTE}  # fmt: skip
+CLIENTS = ("ingress", "httproute", "loadtest", "test")
 ROUTER_RESOURCES = {"cpu": "1", "memory": "1Gi"}
 
 
@@ -700,7 +708,7 @@ def test_clients_target_the_router_exactly_when_routing_is_on(
     objects = render(sets={**TARGETS, **sets})
     spec = one(objects, "ServingPolicy")["spec"]
     assert spec.get("routing") == routing
-    assert fleet_targets(objects) == {"ingress": target, "loadtest": target, "test": target}
+    assert fleet_targets(objects) == dict.fromkeys(CLIENTS, target)
     # The operator runs a router exactly when the chart sends clients to one.
     routed = parse_spec(spec).routing_policy is not RoutingPolicy.NONE
     assert routed == target.endswith("-router")
@@ -719,7 +727,7 @@ def test_chart_default_routing_is_the_operators(replicas: int) -> None:
 
 
 def test_routing_values_reach_the_servingpolicy_and_the_operator() -> None:
-    objects = render(ci_values("routing-values.yaml"))
+    objects = render(ci_values("routing-values.yaml"), sets=ROUTE)
     policy = one(objects, "ServingPolicy")
     assert policy["spec"]["routing"] == {
         "policy": "kv_aware",
@@ -727,7 +735,7 @@ def test_routing_values_reach_the_servingpolicy_and_the_operator() -> None:
         "resources": {"cpu": "2", "memory": "2Gi"},
         "args": ["--request-timeout-secs=900", "--log-level=info"],
     }
-    assert fleet_targets(objects) == dict.fromkeys(("ingress", "loadtest", "test"), "chat-router")
+    assert fleet_targets(objects) == dict.fromkeys(CLIENTS, "chat-router")
     # The router image reaches the operator, never the spec (one setting rolls every router).
     operator = component(objects, "Deployment", "operator")
     env = {var["name"]: var.get("value") for var in
@@ -767,6 +775,119 @@ def test_ingress_to_an_existing_service_without_the_default_servingpolicy() -> N
     master = next(j for j in by_kind(objects, "Job") if "lt-master" in j["metadata"]["name"])
     args = master["spec"]["template"]["spec"]["containers"][0]["args"]
     assert f"--host=http://chat.{NAMESPACE}.svc:{PORT}" in args
+
+
+# --- the Gateway API HTTPRoute -----------------------------------------------------------------
+
+
+def valid_httproute(route: dict[str, Any]) -> dict[str, Any]:
+    """``route`` after checking it against the Gateway API's HTTPRoute CRD (v1.6.3, standard
+    channel; OpenAPI v3.0, so draft 4 semantics); its CEL rules run in tests/cluster."""
+    errors = sorted(
+        f"{list(error.absolute_path)}: {error.message}"
+        for error in jsonschema.Draft4Validator(httproute_schema()).iter_errors(route)
+    )
+    assert not errors, errors
+    return route
+
+
+def test_the_httproute_crd_schema_refuses_what_it_should() -> None:
+    """The offline check is live: the CRD's own schema refuses a broken route."""
+    validator = jsonschema.Draft4Validator(httproute_schema())
+    route = one(render(sets=ROUTE), "HTTPRoute")
+    broken = json.loads(json.dumps(route))
+    broken["spec"]["rules"][0]["matches"][0]["path"]["type"] = "Prefix"
+    del broken["spec"]["parentRefs"][0]["name"]
+    broken["spec"]["hostnames"] = ["LLM.example.com"]
+    assert len(list(validator.iter_errors(broken))) == 3
+
+
+@pytest.mark.parametrize("values", CI_VALUES, ids=ci_ids)
+def test_httproutes_validate_against_the_gateway_api_crd(values: Path) -> None:
+    # Without the chart's ServingPolicy the route needs a Service named.
+    backend = {} if by_kind(render(values), "ServingPolicy") else {"httpRoute.serviceName": "chat"}
+    (route,) = by_kind(render(values, sets={**ROUTE, **backend}), "HTTPRoute")
+    valid_httproute(route)
+
+
+def test_httproute_values_reach_the_route() -> None:
+    objects = render(ci_values("httproute-values.yaml"))
+    route = valid_httproute(one(objects, "HTTPRoute"))
+    assert route["apiVersion"] == "gateway.networking.k8s.io/v1"
+    assert route["metadata"]["name"] == f"{RELEASE}-arc-serving"
+    assert route["metadata"]["labels"]["team"] == "ml-platform"
+    assert route["metadata"]["labels"]["app.kubernetes.io/component"] == "httproute"
+    assert route["spec"] == {
+        "parentRefs": [
+            {"name": "public", "namespace": "gateway-system", "sectionName": "https"},
+            {"name": "public", "namespace": "gateway-system", "sectionName": "http"},
+        ],
+        "hostnames": ["llm.example.com"],
+        "rules": [
+            {
+                "matches": [{"path": {"type": "PathPrefix", "value": "/v1"}}],
+                # The fleet's router, as the Ingress would have it.
+                "backendRefs": [{"name": f"{RELEASE}-arc-serving-router", "port": PORT}],
+                "timeouts": {"request": "1h"},
+            }
+        ],
+    }
+
+
+def test_httproute_defaults_route_only_the_api_to_the_serving_service() -> None:
+    objects = render(sets={**ROUTE, "ingress.enabled": "true"})
+    route = valid_httproute(one(objects, "HTTPRoute"))
+    (rule,) = route["spec"]["rules"]
+    ingress = one(objects, "Ingress")["spec"]["rules"][0]["http"]["paths"][0]
+    # The Ingress's paths, forwarded unchanged: /v1 only, no /metrics or /health.
+    assert rule["matches"] == [{"path": {"type": "PathPrefix", "value": ingress["path"]}}]
+    assert "filters" not in rule and "timeouts" not in rule
+    assert rule["backendRefs"] == [{"name": ingress["backend"]["service"]["name"], "port": PORT}]
+    assert route["spec"]["parentRefs"] == [{"name": "public"}]
+    assert "hostnames" not in route["spec"] and "annotations" not in route["metadata"]
+
+
+def test_httproute_takes_exact_paths_timeouts_and_annotations() -> None:
+    sets = {
+        **ROUTE,
+        "httpRoute.paths": "{/v1/completions,/v1/chat/completions}",
+        "httpRoute.pathType": "Exact",
+        "httpRoute.timeouts.request": "0s",
+        "httpRoute.timeouts.backendRequest": "0s",
+        "httpRoute.annotations.example\\.com/tier": "gold",
+        "httpRoute.hostnames[0]": "*.llm.example.com",
+    }
+    route = valid_httproute(one(render(sets=sets), "HTTPRoute"))
+    (rule,) = route["spec"]["rules"]
+    assert [match["path"] for match in rule["matches"]] == [
+        {"type": "Exact", "value": "/v1/completions"},
+        {"type": "Exact", "value": "/v1/chat/completions"},
+    ]
+    assert rule["timeouts"] == {"request": "0s", "backendRequest": "0s"}
+    assert route["metadata"]["annotations"] == {"example.com/tier": "gold"}
+    assert route["spec"]["hostnames"] == ["*.llm.example.com"]
+
+
+def test_no_httproute_unless_enabled() -> None:
+    for values in CI_VALUES:
+        if values.stem != "httproute-values":
+            assert not by_kind(render(values), "HTTPRoute"), values.stem
+
+
+def test_httproute_to_an_existing_service_without_the_default_servingpolicy() -> None:
+    sets = {**ROUTE, "servingPolicy.enabled": "false", "httpRoute.serviceName": "chat"}
+    route = valid_httproute(one(render(sets=sets), "HTTPRoute"))
+    assert route["spec"]["rules"][0]["backendRefs"] == [{"name": "chat", "port": PORT}]
+
+
+def test_notes_show_how_to_reach_the_api_through_the_gateway() -> None:
+    text = notes(*(f"{key}={value}" for key, value in ROUTE.items()))
+    assert f"kubectl -n {NAMESPACE} get gateway public -o jsonpath" in text
+    assert 'curl -H "Authorization: Bearer $API_KEY" http://GATEWAY_ADDRESS/v1/models' in text
+    assert "port-forward" not in text
+    named = notes(*(f"{key}={value}" for key, value in ROUTE.items()),
+                  "httpRoute.hostnames[0]=llm.example.com")  # fmt: skip
+    assert "http://llm.example.com/v1/models" in named and "GATEWAY_ADDRESS" not in named
 
 
 def hook_objects(objects: list[dict[str, Any]]) -> list[dict[str, Any]]:

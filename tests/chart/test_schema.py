@@ -262,6 +262,41 @@ TRACE = "loadtest.trace"
             "at '/servingPolicy/tolerations/0': additional properties 'taint' not allowed",
             id="unknown-toleration-field",
         ),
+        pytest.param(
+            {"httpRoute.enabled": "true"},
+            "at '/httpRoute/parentRefs': minItems: got 0, want 1",
+            id="httproute-without-a-gateway",
+        ),
+        pytest.param(
+            {"httpRoute.parentRefs[0].name": "gw", "httpRoute.parentRefs[0].kind": "Service"},
+            "at '/httpRoute/parentRefs/0': additional properties 'kind' not allowed",
+            id="httproute-parent-of-another-kind",
+        ),
+        pytest.param(
+            {"httpRoute.parentRefs[0].name": "gw", "httpRoute.parentRefs[0].namespace": "Gw_Ns"},
+            "at '/httpRoute/parentRefs/0/namespace'",
+            id="httproute-parent-namespace",
+        ),
+        pytest.param(
+            {"httpRoute.hostnames[0]": "LLM.example.com"},
+            "at '/httpRoute/hostnames/0'",
+            id="httproute-hostname",
+        ),
+        pytest.param({"httpRoute.paths[0]": "v1"}, "at '/httpRoute/paths/0'", id="relative-path"),
+        # What the HTTPRoute CRD's CEL rules refuse in a path.
+        pytest.param({"httpRoute.paths[0]": "/v1//x"}, "at '/httpRoute/paths/0'", id="path-//"),
+        pytest.param({"httpRoute.paths[0]": "/v1/.."}, "at '/httpRoute/paths/0'", id="path-.."),
+        pytest.param({"httpRoute.paths[0]": "/v1%2Fx"}, "at '/httpRoute/paths/0'", id="path-%2F"),
+        pytest.param(
+            {"httpRoute.pathType": "RegularExpression"},
+            "at '/httpRoute/pathType': value must be one of 'PathPrefix', 'Exact'",
+            id="httproute-path-type",
+        ),
+        pytest.param(
+            {"httpRoute.timeouts.request": "forever"},
+            "at '/httpRoute/timeouts/request'",
+            id="httproute-timeout",
+        ),
     ],
 )
 def test_schema_rejects_bad_values(sets: dict[str, str], message: str) -> None:
@@ -308,6 +343,15 @@ def test_schema_rejects_bad_values(sets: dict[str, str], message: str) -> None:
             },
             "set ingress.serviceName to an existing ServingPolicy's Service",
             id="load-test-without-service",
+        ),
+        pytest.param(
+            {
+                "servingPolicy.enabled": "false",
+                "httpRoute.enabled": "true",
+                "httpRoute.parentRefs[0].name": "gw",
+            },
+            "no Service for the HTTPRoute to send requests to; set httpRoute.serviceName",
+            id="httproute-without-service",
         ),
         pytest.param(
             {

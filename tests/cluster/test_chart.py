@@ -1,7 +1,8 @@
 """The chart on a real Kubernetes 1.35 API server: installed as the README's quick start does,
 every object stored, no deprecation warning; the CRD established and structural; every ci/
 variant (hooks and test pods included) accepted by a server-side dry run in namespaces that
-enforce the restricted Pod Security Standard, with the real Prometheus Operator CRDs."""
+enforce the restricted Pod Security Standard, with the real Prometheus Operator and Gateway API
+CRDs; the HTTPRoute through the Gateway API CRD's CEL rules."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.cluster.helpers import CHART, DEPRECATION, Kube, Release, wait_for
+from tests.cluster.helpers import CHART, DEPRECATION, OUT, Kube, Release, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -21,6 +22,24 @@ RESTRICTED = (
     "pod-security.kubernetes.io/enforce=restricted",
     "pod-security.kubernetes.io/warn=restricted",
 )
+# The Gateway API's standard CRDs (v1.6.3), which `make cluster-crds` copies from its Go module.
+GATEWAY_API_CRDS = OUT / "crds" / "gateway-api"
+
+
+@pytest.fixture(scope="module")
+def gateway_api_crds(kube: Kube) -> list[str]:
+    """GatewayClass, Gateway and HTTPRoute, as a cluster with the Gateway API has them,
+    established; their names."""
+    files = sorted(GATEWAY_API_CRDS.glob("*.yaml"))
+    if not files:
+        pytest.fail(f"no Gateway API CRDs in {GATEWAY_API_CRDS}: run `make cluster-crds`")
+    names = []
+    for path in files:
+        kube.run("apply", "--server-side", "-f", str(path))
+        names.append(yaml.safe_load(path.read_text(encoding="utf-8"))["metadata"]["name"])
+    for name in names:
+        kube.run("wait", "--for=condition=Established", f"crd/{name}", "--timeout=60s")
+    return names
 
 
 def _manifest_objects(text: str) -> list[dict[str, Any]]:
@@ -126,11 +145,85 @@ def _dry_run_ci_variant(kube: Kube, values: Path, namespace: str) -> list[str]:
     return errors
 
 
+# The release brings the ServingPolicy CRD, the variants' custom resources need the others.
 @pytest.mark.parametrize("values", sorted((CHART / "ci").glob("*.yaml")), ids=lambda p: p.stem)
-def test_ci_variant_passes_server_dry_run(kube: Kube, monitoring_crds: bool, values: Path) -> None:
+def test_ci_variant_passes_server_dry_run(
+    kube: Kube,
+    release: Release,
+    monitoring_crds: list[str],
+    gateway_api_crds: list[str],
+    values: Path,
+) -> None:
     namespace = f"dry-{values.stem}"[:63]
     for stderr in _dry_run_ci_variant(kube, values, namespace):
         assert not DEPRECATION.findall(stderr), stderr
+
+
+def _rendered_httproute(kube: Kube, namespace: str, *sets: str) -> dict[str, Any]:
+    args = ["template", "route", str(CHART), "--namespace", namespace]
+    for value in ("httpRoute.enabled=true", "httpRoute.parentRefs[0].name=public", *sets):
+        args += ["--set", value]
+    rendered = kube.helm(*args, "--show-only", "templates/httproute.yaml")
+    assert rendered.returncode == 0, rendered.stderr
+    (route,) = _manifest_objects(rendered.stdout)
+    return route
+
+
+def _dry_run(kube: Kube, namespace: str, obj: dict[str, Any]) -> Any:
+    return kube.run(
+        "apply", "--dry-run=server", "-n", namespace, "-o", "json", "-f", "-",
+        input=json.dumps(obj), check=False,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "sets",
+    [
+        pytest.param((), id="defaults"),
+        pytest.param(("servingPolicy.replicas=2",), id="to-the-router"),
+        pytest.param(
+            (
+                "httpRoute.paths={/v1/completions,/v1/chat/completions}",
+                "httpRoute.pathType=Exact",
+                "httpRoute.hostnames={llm.example.com,*.llm.example.com}",
+                "httpRoute.parentRefs[0].namespace=gateway-system",
+                "httpRoute.parentRefs[0].sectionName=https",
+                "httpRoute.parentRefs[1].name=public",
+                "httpRoute.parentRefs[1].namespace=gateway-system",
+                "httpRoute.parentRefs[1].sectionName=http",
+                "httpRoute.timeouts.request=1h",
+                "httpRoute.timeouts.backendRequest=30m",
+            ),
+            id="every-value",
+        ),
+    ],
+)
+def test_rendered_httproute_passes_the_gateway_apis_server_side_checks(
+    kube: Kube, release: Release, gateway_api_crds: list[str], sets: tuple[str, ...]
+) -> None:
+    route = _rendered_httproute(kube, release.namespace, *sets)
+    applied = _dry_run(kube, release.namespace, route)
+    assert applied.returncode == 0, applied.stderr
+    assert not DEPRECATION.findall(applied.stderr), applied.stderr
+    stored = json.loads(applied.stdout)
+    # Stored as rendered, with the CRD's defaults filled in (group and kind of each parent).
+    assert stored["spec"]["rules"][0]["backendRefs"][0]["port"] == 8000
+    assert {ref["kind"] for ref in stored["spec"]["parentRefs"]} == {"Gateway"}
+
+
+def test_the_gateway_apis_cel_rules_run_on_the_route(
+    kube: Kube, release: Release, gateway_api_crds: list[str]
+) -> None:
+    """The CRD's CEL rules are live here: what the values schema cannot see is refused."""
+    route = _rendered_httproute(
+        kube,
+        release.namespace,
+        "httpRoute.timeouts.request=1m",
+        "httpRoute.timeouts.backendRequest=5m",
+    )
+    applied = _dry_run(kube, release.namespace, route)
+    assert applied.returncode != 0
+    assert "backendRequest timeout cannot be longer than request timeout" in applied.stderr
 
 
 def test_helm_test_pod_starts_but_only_a_kubelet_can_pass_it(kube: Kube, release: Release) -> None:

@@ -158,10 +158,32 @@ create it.
 {{- if .Values.ingress.serviceName }}
 {{- .Values.ingress.serviceName }}
 {{- else if .Values.servingPolicy.enabled }}
-{{- include "arc-serving.servingPolicyName" . }}
-{{- if ne (include "arc-serving.routingPolicy" .) "none" }}-router{{ end }}
+{{- include "arc-serving.defaultServiceName" . }}
 {{- else }}
 {{- fail "arc-serving: servingPolicy.enabled is false, so the chart creates no ServingPolicy and no Service for the ingress or the load test to send requests to; set ingress.serviceName to an existing ServingPolicy's Service (and loadtest.host for a load test without the ingress), or enable servingPolicy" }}
+{{- end }}
+{{- end }}
+
+{{/*
+The default ServingPolicy's Service clients send requests to: NAME-router when its routing
+policy is not none, else NAME.
+*/}}
+{{- define "arc-serving.defaultServiceName" -}}
+{{- include "arc-serving.servingPolicyName" . }}
+{{- if ne (include "arc-serving.routingPolicy" .) "none" }}-router{{ end }}
+{{- end }}
+
+{{/*
+The Service the HTTPRoute sends requests to: httpRoute.serviceName, else the default
+ServingPolicy's, as for the Ingress. Fails when neither exists.
+*/}}
+{{- define "arc-serving.httpRouteServiceName" -}}
+{{- if .Values.httpRoute.serviceName }}
+{{- .Values.httpRoute.serviceName }}
+{{- else if .Values.servingPolicy.enabled }}
+{{- include "arc-serving.defaultServiceName" . }}
+{{- else }}
+{{- fail "arc-serving: servingPolicy.enabled is false, so the chart creates no ServingPolicy and no Service for the HTTPRoute to send requests to; set httpRoute.serviceName to an existing ServingPolicy's Service, or enable servingPolicy" }}
 {{- end }}
 {{- end }}
 
@@ -268,7 +290,9 @@ NetworkPolicy peers the operator builds each ServingPolicy's NetworkPolicies fro
 
 serving (ARC_OPERATOR_SERVING_PEERS), the API's clients: they reach port 8000 of the serving
 pods when the routing policy is none, of the router pods otherwise. The ingress controller,
-this release's load-test and helm-test pods (release namespace), then
+this release's load-test and helm-test pods (release namespace), with httpRoute.enabled each
+parent Gateway's pods by the label GEP-1762 has implementations put on them
+(gateway.networking.k8s.io/gateway-name, in the Gateway's namespace), then
 networkPolicy.extraServingFrom.
 
 monitoring (ARC_OPERATOR_MONITORING_PEERS), the metrics scrapers: they reach the serving pods'
@@ -288,7 +312,18 @@ Prometheus and this release's operator (status scrapes, release namespace).
       "values" $components))) }}
 {{- if eq .peers "serving" }}
 {{- $ingress := dict "namespaceSelector" $np.ingressController.namespaceSelector "podSelector" $np.ingressController.podSelector }}
-{{- concat (list $ingress $releasePods) ($np.extraServingFrom | default list) | toJson }}
+{{- $gateways := list }}
+{{- if .context.Values.httpRoute.enabled }}
+{{- range .context.Values.httpRoute.parentRefs }}
+{{- /* A name too long for a label value is one no pod can carry. */}}
+{{- if le (len .name) 63 }}
+{{- $gateways = append $gateways (dict
+  "namespaceSelector" (dict "matchLabels" (dict "kubernetes.io/metadata.name" (default $.context.Release.Namespace .namespace)))
+  "podSelector" (dict "matchLabels" (dict "gateway.networking.k8s.io/gateway-name" .name))) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- concat (list $ingress $releasePods) ($gateways | uniq) ($np.extraServingFrom | default list) | toJson }}
 {{- else }}
 {{- $prometheus := dict "namespaceSelector" $np.prometheus.namespaceSelector "podSelector" $np.prometheus.podSelector }}
 {{- list $prometheus $releasePods | toJson }}
