@@ -33,6 +33,16 @@ def gpu_node(kube: Kube) -> Iterator[tuple[str, str]]:
     manifest["metadata"]["labels"][POOL_LABEL] = pool
     manifest["spec"]["taints"] = [GPU_TAINT]
     kube.run("apply", "-f", "-", input=json.dumps(manifest))
+
+    def placed_pods() -> list[dict[str, Any]]:
+        listed = kube.get("pods", "-A") or {"items": []}
+        return [
+            pod
+            for pod in listed["items"]
+            if (pod["spec"].get("nodeSelector") or {}).get(POOL_LABEL) == pool
+            or pod["spec"].get("nodeName") == name
+        ]
+
     try:
         wait_for(
             f"node {name} Ready",
@@ -40,6 +50,9 @@ def gpu_node(kube: Kube) -> Iterator[tuple[str, str]]:
         )
         yield name, pool
     finally:
+        # The tests' ServingPolicies are deleted by now; their pods go with the garbage
+        # collector. Waiting for them leaves the namespace's serving pods as other tests expect.
+        wait_for(f"the pods of pool {pool} gone", lambda: not placed_pods(), detail=placed_pods)
         kube.run("delete", "node", name, "--wait=false", check=False)
 
 
