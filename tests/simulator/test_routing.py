@@ -20,6 +20,8 @@ from arc_simulator.fleet import _View, simulate_fleet
 from arc_simulator.ring_hash import fbi_hash, furc_hash, murmur_hash_64a
 from arc_simulator.routing import (
     SESSION_HEADER_KEY,
+    WINDOW_PER_REPLICA,
+    BoundedPrefixRouter,
     CacheAwareConfig,
     CacheAwareRouter,
     ConsistentHashRouter,
@@ -154,15 +156,18 @@ def test_kv_aware_sees_the_change_it_is_meant_to(chat) -> None:
 
 @pytest.mark.parametrize("router", ["random", "round_robin", "consistent_hash", "cache_aware"])
 @pytest.mark.parametrize("sequential", [True, False])
-def test_only_kv_aware_reads_the_replicas_caches(monkeypatch, chat, router, sequential) -> None:
+def test_only_the_routers_of_kv_events_read_the_replicas_caches(
+    monkeypatch, chat, router, sequential
+) -> None:
     def forbidden(self, replica, keys):
         raise AssertionError(f"{router} read replica {replica}'s cache")
 
     monkeypatch.setattr(_View, "cached_prefix", forbidden)
     result, _ = simulate_fleet(chat, "lru", 200, 4, router, sequential=sequential)
     assert result.requests == len(chat)
-    with pytest.raises(AssertionError, match="read replica"):
-        simulate_fleet(chat, "lru", 200, 4, "kv_aware", sequential=sequential)
+    for reader in ("kv_aware", "bounded_prefix"):
+        with pytest.raises(AssertionError, match="read replica"):
+            simulate_fleet(chat, "lru", 200, 4, reader, sequential=sequential)
 
 
 def test_round_robin_and_random_rules() -> None:
@@ -266,6 +271,58 @@ def test_a_busy_holder_beats_an_idle_replica_only_beyond_half_the_prompt(held, w
     request = _request(list(range(1, 9)), input_length=128)
     view = StubView([0, 1], cached=[0, held])
     assert KvAwareRouter(2).route(request, view) == winner
+
+
+def _fill_window(router: BoundedPrefixRouter, replicas: int) -> None:
+    """A full window of cold prompts that open differently, as even as the rule makes them."""
+    for index in range(WINDOW_PER_REPLICA * replicas):
+        router.route(_request([10_000 + index, 1], index=index), StubView([0] * replicas))
+
+
+def test_bounded_prefix_follows_the_prefix_while_the_holder_is_under_its_share() -> None:
+    router = BoundedPrefixRouter(2, load_bound=0.1)
+    _fill_window(router, 2)
+    view = StubView([1, 0], cached=[3, 0])  # the holder is busy: kv_aware's load term aside
+    chosen = [router.route(_request([1, 2, 3, 4], index=n), view) for n in range(20)]
+    # The holder takes them until its share of the last 128 decisions reaches 1.1 / 2 (the
+    # window drops the oldest as it goes); then the other replica takes its turns.
+    assert chosen[:13] == [0] * 13 and set(chosen[13:]) == {0, 1}
+
+
+def test_bounded_prefix_keeps_every_replica_within_its_share_of_recent_requests() -> None:
+    router = BoundedPrefixRouter(4, load_bound=0.1)
+    window = WINDOW_PER_REPLICA * 4
+    chosen = [
+        router.route(_request([7, 8], index=n), StubView([0] * 4, cached=[2] * 4))
+        for n in range(3 * window)
+    ]
+    for end in range(window, len(chosen)):
+        shares = [chosen[end - window : end].count(replica) / window for replica in range(4)]
+        assert max(shares) <= 1.1 / 4 + 1 / window
+    # Affinity fills the favourite replica up to its bound.
+    assert max(chosen[-window:].count(replica) for replica in range(4)) == 71
+
+
+def test_bounded_prefix_sends_cold_prompts_that_open_alike_to_one_replica() -> None:
+    router = BoundedPrefixRouter(8)
+    _fill_window(router, 8)
+    same_opening = {router.route(_request([5, n], index=n), StubView([0] * 8)) for n in range(6)}
+    assert len(same_opening) == 1
+    assert router.route(_request([]), StubView([1, 0] + [1] * 6)) == 1  # no block: least load
+
+
+def test_the_proposal_runs_on_request_and_stays_out_of_the_vllm_router_study() -> None:
+    from arc_simulator.scaling import ScaleConfig
+
+    assert "bounded_prefix" in router_names()
+    assert "bounded_prefix" not in ScaleConfig().routers
+    assert set(ScaleConfig().routers) == set(router_names()) - {"bounded_prefix"}
+
+
+def test_a_bad_load_bound_is_refused() -> None:
+    for bad in (-0.1, math.inf, math.nan):
+        with pytest.raises(RoutingError, match="load bound"):
+            BoundedPrefixRouter(2, load_bound=bad)
 
 
 def test_kv_aware_credit_leaves_the_last_prompt_token_to_compute() -> None:

@@ -36,6 +36,7 @@ from collections.abc import Sequence
 from arc_serving_common.traces import TraceRequest
 from arc_simulator.belady import Belady
 from arc_simulator.routing import (
+    DEFAULT_LOAD_BOUND,
     CacheAwareConfig,
     RoutingError,
     check_replicas,
@@ -135,6 +136,7 @@ def simulate_fleet(
     cache_aware: CacheAwareConfig | None = None,
     worker_urls: Sequence[str] | None = None,
     affinity_ttl_s: int | None = None,
+    load_bound: float = DEFAULT_LOAD_BOUND,
 ) -> tuple[SimulationResult, list[int]]:
     """Route ``requests`` over ``replicas`` replicas of ``capacity`` blocks each.
 
@@ -143,12 +145,14 @@ def simulate_fleet(
     ``temperature`` is the router's ``--router-temperature`` (``kv_aware`` only),
     ``cache_aware`` its ``cache_aware`` thresholds (the router's defaults if None),
     ``worker_urls`` its ``--worker-urls`` (``consistent_hash``'s ring), ``affinity_ttl_s``
-    its ``--kv-aware-session-affinity-ttl-secs`` (``kv_aware`` only; None: off).
+    its ``--kv-aware-session-affinity-ttl-secs`` (``kv_aware`` only; None: off);
+    ``load_bound`` is ``bounded_prefix``'s epsilon.
     """
     check_fleet(policy_name, replicas)
     router = make_router(
-        router_name, replicas, seed, temperature, cache_aware, worker_urls, affinity_ttl_s
-    )
+        router_name, replicas, seed, temperature, cache_aware, worker_urls, affinity_ttl_s,
+        load_bound,
+    )  # fmt: skip
     cost = cost or CostModel()
     mode = "sequential" if sequential else "overlapping"
     # One replica is never scored, so it keeps nothing for a router.

@@ -72,13 +72,26 @@ The rules follow the vLLM router's policies (repository vllm-project/router,
 Ties go where the router's Rust iterators send them: ``min_by_key`` (least load,
 least cost) takes the lowest replica index.
 
+One router here is a proposal, not a vllm-router policy:
+
+- ``bounded_prefix``: prefix affinity with a bounded share of the requests. A replica is
+  open while it took fewer than ``(1 + load_bound) / N`` of the last ``WINDOW_PER_REPLICA *
+  N`` requests routed (bounded loads, Mirrokni, Thorup and Zadimoghaddam, SODA'18, over a
+  window of requests rather than requests in flight, which at a few in flight per replica
+  would close a holder as soon as it runs one); at least one always is. Among the open
+  replicas the request goes to the longest prefix their KV events report cached
+  (``kv_aware``'s credit), and among equal prefixes to the highest rendezvous hash of the
+  request's first block key and the replica, so a prompt nobody holds goes where the others
+  that open alike went, while that replica is open.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 import random
 from bisect import bisect_left
+from collections import deque
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -409,6 +422,63 @@ class KvAwareRouter:
         return self._rng.choices(range(self._replicas), weights)[0]
 
 
+DEFAULT_LOAD_BOUND = 0.1
+WINDOW_PER_REPLICA = 64
+
+
+class BoundedPrefixRouter:
+    """The longest published prefix among the replicas under their share of recent requests
+    (see the module docstring); ``load_bound`` is epsilon, the share above 1/N a replica may
+    take of the window.
+
+    Invariant: ``_recent`` holds the replicas of the last ``_recent.maxlen`` decisions, and
+    ``_counts[r]`` how many of them went to ``r``.
+    """
+
+    name = "bounded_prefix"
+
+    def __init__(
+        self, replicas: int, seed: int = 0, load_bound: float = DEFAULT_LOAD_BOUND
+    ) -> None:
+        check_load_bound(load_bound)
+        self._replicas = replicas
+        self.load_bound = load_bound
+        self._recent: deque[int] = deque(maxlen=WINDOW_PER_REPLICA * replicas)
+        self._counts = [0] * replicas
+
+    def route(self, request: TraceRequest, view: FleetView) -> int:
+        if self._replicas == 1:
+            return 0  # as kv_aware: one replica keeps nothing for a router to read
+        share = (1 + self.load_bound) * max(len(self._recent), 1) / self._replicas
+        open_replicas = [r for r in range(self._replicas) if self._counts[r] < share]
+        keys = request.keys
+        if keys:
+            chosen = max(
+                open_replicas,
+                key=lambda replica: (
+                    view.cached_prefix(replica, keys),
+                    _rendezvous(keys[0], replica),
+                ),
+            )
+        else:
+            chosen = min(open_replicas, key=view.loads.__getitem__)
+        if len(self._recent) == self._recent.maxlen:
+            self._counts[self._recent[0]] -= 1
+        self._recent.append(chosen)
+        self._counts[chosen] += 1
+        return chosen
+
+
+def _rendezvous(key: int, replica: int) -> int:
+    digest = hashlib.blake2b(f"{key}:{replica}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big")
+
+
+def check_load_bound(load_bound: float) -> None:
+    if not (math.isfinite(load_bound) and load_bound >= 0):
+        raise RoutingError(f"the load bound must be a finite number >= 0, got {load_bound}")
+
+
 def check_temperature(temperature: float) -> None:
     if not (math.isfinite(temperature) and temperature >= 0):
         raise RoutingError(f"--router-temperature must be a finite number >= 0, got {temperature}")
@@ -431,11 +501,21 @@ ROUTERS: dict[str, RouterFactory] = {
     "consistent_hash": ConsistentHashRouter,
     "cache_aware": CacheAwareRouter,
     "kv_aware": KvAwareRouter,
+    "bounded_prefix": BoundedPrefixRouter,
 }
+
+
+# The proposal is the simulator's own; a study of the vLLM router's policies leaves it out.
+PROPOSALS = ("bounded_prefix",)
 
 
 def router_names() -> list[str]:
     return list(ROUTERS)
+
+
+def vllm_router_names() -> list[str]:
+    """The routers that model a vllm-router policy."""
+    return [name for name in ROUTERS if name not in PROPOSALS]
 
 
 def check_replicas(replicas: int) -> None:
@@ -466,6 +546,7 @@ def make_router(
     cache_aware: CacheAwareConfig | None = None,
     worker_urls: Sequence[str] | None = None,
     affinity_ttl_s: int | None = None,
+    load_bound: float = DEFAULT_LOAD_BOUND,
 ) -> Router:
     """A fresh router by registry name for ``replicas`` replicas.
 
@@ -473,7 +554,8 @@ def make_router(
     ``--kv-aware-session-affinity-ttl-secs``, which only ``kv_aware`` reads; they are
     checked for every router, so a bad value is refused whatever the name.
     ``cache_aware`` holds ``cache_aware``'s thresholds (the router's defaults if None);
-    ``worker_urls`` the router's ``--worker-urls``, which place ``consistent_hash``'s ring.
+    ``worker_urls`` the router's ``--worker-urls``, which place ``consistent_hash``'s ring;
+    ``load_bound`` is ``bounded_prefix``'s epsilon.
     """
     factory = check_router(name, replicas, temperature, affinity_ttl_s)
     if factory is KvAwareRouter:
@@ -482,4 +564,6 @@ def make_router(
         return CacheAwareRouter(replicas, seed, cache_aware)
     if factory is ConsistentHashRouter:
         return ConsistentHashRouter(replicas, seed, worker_urls)
+    if factory is BoundedPrefixRouter:
+        return BoundedPrefixRouter(replicas, seed, load_bound)
     return factory(replicas, seed)

@@ -88,7 +88,7 @@ from arc_simulator.routing import (
     RoutingError,
     check_replicas,
     check_router,
-    router_names,
+    vllm_router_names,
 )
 from arc_simulator.simulate import (
     MAX_TIME_SCALE,
@@ -114,7 +114,7 @@ class ScaleConfig:
 
     replicas: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
     cache_sizes: tuple[str, ...] = CACHE_SIZES
-    routers: tuple[str, ...] = tuple(router_names())
+    routers: tuple[str, ...] = tuple(vllm_router_names())
     policies: tuple[str, ...] = ("lru", "arc", RECOMMENDED_POLICY)
     traces: tuple[str, ...] = TRACES
     capacity_percent: float = 10.0
