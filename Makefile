@@ -68,7 +68,7 @@ SERVER_TESTS := vllm or locust or slow
 ISOLATED := $(PY) -m cluster.netns --
 FAST_LOG := $(OUT)/test-fast.log
 CLUSTER_LOG := $(OUT)/test-cluster.log
-test: $(STAMP) tools cluster-binaries cluster-crds images-local
+test: $(STAMP) tools cluster-binaries cluster-crds images-local cluster-images
 	@mkdir -p $(OUT)
 	@nice -n 19 $(ISOLATED) $(PY) -m pytest -n auto --dist worksteal -m "not ($(SERVER_TESTS))" \
 	    --ignore=tests/cluster --durations=15 > $(FAST_LOG) 2>&1 & \
@@ -294,6 +294,27 @@ $(CLUSTER_KWOK_BINS): $(TOOLS)/bin/%: $(KWOK_MOD)/go.mod $(KWOK_MOD)/go.sum
 	cd $(KWOK_MOD) && CGO_ENABLED=0 go build -ldflags "-s -w" -o $(CURDIR)/$@ \
 	  sigs.k8s.io/kwok/cmd/$*
 	@touch $@
+
+# The cluster's DNS (cluster/dns.py, cluster/README.md): CoreDNS, pinned by
+# cluster/tools/coredns/go.mod (github.com/coredns/coredns, the upstream command with every
+# plugin) and built like the control plane; `make cluster-dns-image` puts it alone in the image
+# localhost/arc-serving/coredns:VERSION (buildah; under a second when the binary is unchanged),
+# one of the cluster's images `make cluster-images` (and so `make test`) builds.
+COREDNS_MOD := cluster/tools/coredns
+COREDNS := $(TOOLS)/bin/coredns
+
+$(COREDNS): $(COREDNS_MOD)/go.mod $(COREDNS_MOD)/go.sum
+	@mkdir -p $(TOOLS)/bin
+	cd $(COREDNS_MOD) && CGO_ENABLED=0 go build -ldflags "-s -w" -o $(CURDIR)/$@ \
+	  github.com/coredns/coredns
+	@touch $@
+
+.PHONY: cluster-dns-image cluster-images
+cluster-dns-image: image-tools $(COREDNS)
+	$(PYTHON) -m cluster.dns image
+
+cluster-binaries: $(COREDNS)
+cluster-images: cluster-dns-image
 
 # Third-party CRDs the chart's variants need, copied from their projects' Go modules (the module
 # proxy serves each release's tree) for tests/cluster to apply:
