@@ -316,18 +316,43 @@ cluster-dns-image: image-tools $(COREDNS)
 cluster-binaries: $(COREDNS)
 cluster-images: cluster-dns-image
 
+# The cluster's ingress controller (cluster/ingress.py, cluster/README.md): Traefik, pinned by
+# cluster/tools/traefik/go.mod and built like the control plane, its version stamped in as
+# Traefik's own build does; `make cluster-ingress-image` puts it alone in the image
+# localhost/arc-serving/traefik:VERSION (cluster/images.py), one of `make cluster-images`.
+TRAEFIK_MOD := cluster/tools/traefik
+TRAEFIK := $(TOOLS)/bin/traefik
+TRAEFIK_VERSION = $(shell awk '$$1 == "github.com/traefik/traefik/v3" {print $$2}' \
+  $(TRAEFIK_MOD)/go.mod)
+
+$(TRAEFIK): $(TRAEFIK_MOD)/go.mod $(TRAEFIK_MOD)/go.sum
+	@mkdir -p $(TOOLS)/bin
+	cd $(TRAEFIK_MOD) && CGO_ENABLED=0 go build \
+	  -ldflags "-s -w -X github.com/traefik/traefik/v3/pkg/version.Version=$(TRAEFIK_VERSION)" \
+	  -o $(CURDIR)/$@ github.com/traefik/traefik/v3/cmd/traefik
+	@touch $@
+
+.PHONY: cluster-ingress-image
+cluster-ingress-image: image-tools $(TRAEFIK)
+	$(PYTHON) -m cluster.ingress image
+
+cluster-binaries: $(TRAEFIK)
+cluster-images: cluster-ingress-image
+
 # Third-party CRDs the chart's variants need, copied from their projects' Go modules (the module
 # proxy serves each release's tree) for tests/cluster to apply:
 # - the Prometheus Operator's (PodMonitor, ServiceMonitor, PrometheusRule) for the monitoring
 #   variants, into $(CLUSTER_OUT)/crds/;
 # - the Gateway API's standard channel (GatewayClass, Gateway, HTTPRoute) for the HTTPRoute,
 #   into $(CLUSTER_OUT)/crds/gateway-api/: tests/chart also validates the rendered route with
-#   the HTTPRoute CRD's schema.
+#   the HTTPRoute CRD's schema; the ingress controller (cluster/ingress.py) waits until it can
+#   also list GRPCRoutes, ReferenceGrants and BackendTLSPolicies.
 PROMETHEUS_OPERATOR_MOD ?= github.com/prometheus-operator/prometheus-operator@v0.85.0
 MONITORING_CRDS := podmonitors servicemonitors prometheusrules
 MONITORING_CRD_FILES := $(MONITORING_CRDS:%=$(CLUSTER_OUT)/crds/monitoring.coreos.com_%.yaml)
 GATEWAY_API_MOD ?= sigs.k8s.io/gateway-api@v1.6.3
-GATEWAY_API_CRDS := gatewayclasses gateways httproutes
+GATEWAY_API_CRDS := gatewayclasses gateways httproutes grpcroutes referencegrants \
+  backendtlspolicies
 GATEWAY_API_CRD_FILES := \
   $(GATEWAY_API_CRDS:%=$(CLUSTER_OUT)/crds/gateway-api/gateway.networking.k8s.io_%.yaml)
 CLUSTER_CRDS := $(MONITORING_CRD_FILES) $(GATEWAY_API_CRD_FILES)
