@@ -16,17 +16,15 @@ zones and NXDOMAIN for every other name, at once.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import ipaddress
 import json
-import shutil
-import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from cluster.images import binary_image, image_size
 from cluster.netns import SERVICE_RANGE
 
 REPO = Path(__file__).resolve().parent.parent
@@ -50,7 +48,6 @@ METRICS_PORT = 9153
 IMAGE_USER = 65532
 NAME = "coredns"
 LABELS = {"k8s-app": "kube-dns"}
-RECIPE_LABEL = "org.arc-serving.image-recipe"
 
 
 def corefile(
@@ -242,79 +239,19 @@ def manifests(
     ]
 
 
-def _image_config(binary: Path) -> dict[str, Any]:
-    """What the image is made of; its hash labels the image, so an unchanged one is kept."""
-    return {
-        "binary_sha256": hashlib.sha256(binary.read_bytes()).hexdigest(),
-        "path": "/coredns",
-        "mode": "0555",
-        "user": f"{IMAGE_USER}:{IMAGE_USER}",
-        "ports": [f"{CONTAINER_DNS_PORT}/udp", f"{CONTAINER_DNS_PORT}/tcp"],
-        "labels": {
+def build_image(binary: Path = COREDNS_BINARY, reference: str = IMAGE) -> bool:
+    """CoreDNS alone in an empty image (cluster/images.py); True when it was built."""
+    return binary_image(
+        binary,
+        reference,
+        path="/coredns",
+        user=IMAGE_USER,
+        ports=[f"{CONTAINER_DNS_PORT}/udp", f"{CONTAINER_DNS_PORT}/tcp"],
+        labels={
             "org.opencontainers.image.title": NAME,
             "org.opencontainers.image.version": COREDNS_VERSION,
         },
-    }
-
-
-def _buildah(*args: str) -> str:
-    done = subprocess.run(["buildah", *args], capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        raise SystemExit(f"buildah {' '.join(args)} failed: {done.stderr.strip()}")
-    return done.stdout.strip()
-
-
-def build_image(binary: Path = COREDNS_BINARY, reference: str = IMAGE) -> bool:
-    """The binary alone in an empty image, root-owned and read-only, run as ``IMAGE_USER``;
-    built with buildah (daemonless) unless the image in its storage has this recipe already.
-    True when it was built."""
-    if shutil.which("buildah") is None:
-        raise SystemExit("python -m cluster.dns image: buildah is not installed (make image-tools)")
-    if not binary.is_file():
-        raise SystemExit(
-            f"python -m cluster.dns image: no {binary} (make {binary.relative_to(REPO)})"
-        )
-    config = _image_config(binary)
-    recipe = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
-    inspected = subprocess.run(
-        ["buildah", "inspect", "--type", "image", reference],
-        capture_output=True,
-        text=True,
-        check=False,
     )
-    if inspected.returncode == 0:
-        labels = json.loads(inspected.stdout)["OCIv1"]["config"].get("Labels") or {}
-        if labels.get(RECIPE_LABEL) == recipe:
-            return False
-    container = _buildah("from", "scratch")
-    try:
-        _buildah(
-            "copy",
-            "--chown",
-            "0:0",
-            "--chmod",
-            config["mode"],
-            container,
-            str(binary),
-            config["path"],
-        )
-        settings = [
-            "--entrypoint",
-            json.dumps([config["path"]]),
-            "--user",
-            config["user"],
-            "--workingdir",
-            "/",
-            *(arg for port in config["ports"] for arg in ("--port", port)),
-            *(arg for k, v in config["labels"].items() for arg in ("--label", f"{k}={v}")),
-            "--label",
-            f"{RECIPE_LABEL}={recipe}",
-        ]
-        _buildah("config", *settings, container)
-        _buildah("commit", "--quiet", container, reference)
-    finally:
-        subprocess.run(["buildah", "rm", container], capture_output=True, check=False)
-    return True
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -332,7 +269,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.monotonic()
     built = build_image(reference=args.image)
     state = f"built in {time.monotonic() - started:.1f} s" if built else "current"
-    print(f"{args.image}: {state}")
+    print(f"{args.image}: {state}, {image_size(args.image)}")
     return 0
 
 
