@@ -260,9 +260,10 @@ audit: $(AUDIT_STAMP) $(HELM) $(STAMP)
 # kube-apiserver, kube-controller-manager and kube-scheduler built from the Go module proxy
 # (cluster/tools/kubernetes/go.mod pins k8s.io/kubernetes v1.35.4 and its staging modules),
 # kwok and kwokctl likewise (cluster/tools/kwok/go.mod), run by kwokctl's binary runtime with
-# three fake kwok nodes. Each binary is rebuilt only when its go.mod or go.sum changes (touched
-# after the build: `go build` leaves an up-to-date output file as it was); Go's module and
-# build caches stay in their default places.
+# three fake kwok nodes, and one real node: kubelet and kube-proxy from the same go.mod, the
+# container runtime from Debian's packages (below). Each binary is rebuilt only when its go.mod
+# or go.sum changes (touched after the build: `go build` leaves an up-to-date output file as it
+# was); Go's module and build caches stay in their default places.
 CLUSTER_OUT := $(OUT)/cluster
 K8S_MOD := cluster/tools/kubernetes
 KWOK_MOD := cluster/tools/kwok
@@ -275,7 +276,8 @@ K8S_LDFLAGS := -s -w \
   -X k8s.io/client-go/pkg/version.gitMajor=1 -X k8s.io/client-go/pkg/version.gitMinor=35 \
   -X k8s.io/client-go/pkg/version.gitTreeState=clean
 CLUSTER_K8S_BINS := $(TOOLS)/bin/etcd $(TOOLS)/bin/kube-apiserver \
-  $(TOOLS)/bin/kube-controller-manager $(TOOLS)/bin/kube-scheduler
+  $(TOOLS)/bin/kube-controller-manager $(TOOLS)/bin/kube-scheduler \
+  $(TOOLS)/bin/kubelet $(TOOLS)/bin/kube-proxy
 CLUSTER_KWOK_BINS := $(TOOLS)/bin/kwok $(TOOLS)/bin/kwokctl
 
 $(TOOLS)/bin/etcd: $(K8S_MOD)/go.mod $(K8S_MOD)/go.sum
@@ -339,6 +341,38 @@ cluster-ingress-image: image-tools $(TRAEFIK)
 cluster-binaries: $(TRAEFIK)
 cluster-images: cluster-ingress-image
 
+# The real node's pod sandbox process (containerd's sandbox_image): a program of a few lines
+# (cluster/tools/pause), put alone in an image by cluster/node.py at the node's start.
+PAUSE_MOD := cluster/tools/pause
+PAUSE := $(TOOLS)/bin/pause
+
+$(PAUSE): $(PAUSE_MOD)/go.mod $(PAUSE_MOD)/main.go
+	@mkdir -p $(TOOLS)/bin
+	cd $(PAUSE_MOD) && CGO_ENABLED=0 go build -ldflags "-s -w" -o $(CURDIR)/$@ .
+
+# The real node's container runtime and networking, from Debian bookworm's packages unpacked
+# (apt-get download, dpkg-deb -x; never installed, so no daemon and nothing in /etc): containerd
+# (with ctr and its runc shim), runc, the CNI plugins, iptables (nft backend: its xtables-nft-multi
+# under the names kube-proxy calls) and its libraries, conntrack. Fetched once, when the stamp is
+# missing; the packages' versions are listed in the stamp.
+NODE_ROOT := $(TOOLS)/node-root
+NODE_DEBS := containerd runc containernetworking-plugins conntrack iptables libip4tc2 \
+  libip6tc2 libxtables12 libnftnl11 libmnl0 libnetfilter-conntrack3 libnfnetlink0
+NODE_ROOT_STAMP := $(NODE_ROOT)/.unpacked
+
+$(NODE_ROOT_STAMP):
+	@rm -rf $(NODE_ROOT) && mkdir -p $(NODE_ROOT)
+	@tmp=$$(mktemp -d) && trap 'rm -rf "$$tmp"' EXIT && \
+	  cd "$$tmp" && { apt-get download -q $(NODE_DEBS) 2>/dev/null || \
+	    { apt-get update -q >/dev/null && apt-get download -q $(NODE_DEBS); }; } && \
+	  cd - >/dev/null && \
+	  for deb in "$$tmp"/*.deb; do dpkg-deb -x "$$deb" $(NODE_ROOT) || exit 1; done && \
+	  for name in iptables iptables-save iptables-restore ip6tables ip6tables-save \
+	      ip6tables-restore; do ln -sf xtables-nft-multi $(NODE_ROOT)/usr/sbin/$$name; done && \
+	  for deb in "$$tmp"/*.deb; do dpkg-deb --show --showformat '$${Package} $${Version}\n' "$$deb"; \
+	    done > $@.tmp && mv $@.tmp $@
+	@cat $@
+
 # Third-party CRDs the chart's variants need, copied from their projects' Go modules (the module
 # proxy serves each release's tree) for tests/cluster to apply:
 # - the Prometheus Operator's (PodMonitor, ServiceMonitor, PrometheusRule) for the monitoring
@@ -374,12 +408,14 @@ $(GATEWAY_API_CRD_FILES) &:
 	$(call copy_crds,$(GATEWAY_API_MOD),config/crd/standard,$(GATEWAY_API_CRD_FILES))
 
 .PHONY: cluster-binaries cluster-crds cluster cluster-down cluster-shell test-cluster
-cluster-binaries: $(CLUSTER_K8S_BINS) $(CLUSTER_KWOK_BINS) $(KUBECTL) $(HELM)
+cluster-binaries: $(CLUSTER_K8S_BINS) $(CLUSTER_KWOK_BINS) $(KUBECTL) $(HELM) $(PAUSE) \
+  $(NODE_ROOT_STAMP)
 cluster-crds: $(CLUSTER_CRDS)
 
-# The cluster runs in a loopback-only network namespace of its own (cluster/netns.py):
-# `make cluster-shell` opens a shell there (KUBECONFIG set, .tools/bin on PATH), and
-# `make cluster-shell -- kubectl get nodes` runs one command.
+# The cluster runs in a loopback-only network namespace of its own (cluster/netns.py), with
+# its real node (cluster/node.py; root needed): `make cluster-shell` opens a shell there
+# (KUBECONFIG set, .tools/bin on PATH), and `make cluster-shell -- kubectl get nodes` runs one
+# command.
 cluster: cluster-binaries cluster-crds $(STAMP)
 	$(PY) -m cluster up --out $(CLUSTER_OUT)
 
@@ -395,6 +431,6 @@ cluster-shell:
 	@$(PY) -m cluster shell --out $(CLUSTER_OUT) $(if $(CLUSTER_SHELL_ARGS),-- $(CLUSTER_SHELL_ARGS))
 
 # The chart and the operator on the local control plane, inside its namespace (starts it, or
-# reuses a running one, and leaves it running).
+# reuses a running one, and leaves it running; the tests' session stops its real node).
 test-cluster: cluster
 	$(PY) -m cluster shell --out $(CLUSTER_OUT) -- $(PY) -m pytest tests/cluster
