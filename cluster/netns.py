@@ -5,7 +5,9 @@ any address off this machine (private ranges included) fails at once with ENETUN
 ranges reserved for network benchmarks (RFC 2544, 198.18.0.0/15) are local inside it: kwok's
 simulated pods take their addresses from ``SIMULATED_POD_RANGE`` and Services theirs from
 ``SERVICE_RANGE``, so a scrape of a simulated pod reaches this namespace's own loopback (refused
-unless a test listens there) and never leaves it.
+unless a test listens there) and never leaves it. The local cluster's real node (cluster/node.py)
+adds ``NODE_ADDRESS`` to ``lo`` and a bridge whose pods take ``REAL_POD_RANGE``, a /24 of the
+same benchmark range outside the simulated one, so it too stays inside the namespace.
 
 A holder process owns the namespace: ``unshare --net sleep infinity`` as root, or
 ``unshare --user --map-root-user --net sleep infinity`` where user namespaces are allowed.
@@ -30,6 +32,11 @@ from pathlib import Path
 SIMULATED_POD_RANGE = "198.18.0.0/17"
 SERVICE_RANGE = "198.19.0.0/16"
 LOCAL_RANGES = (SIMULATED_POD_RANGE, SERVICE_RANGE)
+# The real node's pods, on its bridge: routed to the bridge, not local like the simulated range.
+REAL_POD_RANGE = "198.18.128.0/24"
+# The real node's address, on lo (RFC 5737's TEST-NET-2): what the API server advertises, so
+# that pods reach it through the `kubernetes` Service, and where the kubelet listens.
+NODE_ADDRESS = "198.51.100.10"
 # The processes that run without root: the holder gets a user namespace where this user is root.
 USERNS = os.geteuid() != 0
 
