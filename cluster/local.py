@@ -3,7 +3,8 @@
 Everything lives under one output folder (`out/cluster` from the Makefile):
 
 - `kwok/`: kwokctl's work dir (`KWOK_WORKDIR`): its config, PKI, etcd data, pid files, logs;
-- `kubeconfig`: the admin kubeconfig (client certificate from kwokctl's PKI).
+- `kubeconfig`: the admin kubeconfig (client certificate from kwokctl's PKI);
+- `node/`: the real node's state (cluster/node.py), when it runs or has run.
 
 kwokctl is given every binary it runs as a local path, and every download prefix points at a
 folder that does not exist, so a component we forgot fails at once instead of downloading.
@@ -19,17 +20,26 @@ import signal
 import subprocess
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cluster.netns import SERVICE_RANGE, SIMULATED_POD_RANGE, HeldNamespace, netns_inode
+from cluster.netns import (
+    NODE_ADDRESS,
+    SERVICE_RANGE,
+    SIMULATED_POD_RANGE,
+    HeldNamespace,
+    netns_inode,
+)
+from cluster.node import NodeError, RealNode
 
 REPO = Path(__file__).resolve().parent.parent
 BIN_DIR = REPO / ".tools" / "bin"
 CLUSTER_NAME = "arc-serving"
 KUBE_VERSION = "v1.35.4"
 NODE_NAMES = ("kwok-node-0", "kwok-node-1", "kwok-node-2")
+# The annotation of the nodes kwok fakes (`fake`): the only ones its controller manages.
+KWOK_NODE_ANNOTATION = "kwok.x-k8s.io/node"
 # What each fake node advertises: enough for the chart's GPU engine (1 GPU, 4 CPUs, 32Gi each).
 NODE_CAPACITY = {"cpu": "32", "memory": "256Gi", "pods": "110", "nvidia.com/gpu": "8"}
 # kwokctl's environment variable for each binary it runs, and the file in BIN_DIR.
@@ -63,22 +73,62 @@ FALLBACK_POD_CIDR = str(list(_POD_NET.subnets(new_prefix=24))[-1])
 # OwnerReferencesPermissionEnforcement, on by default in OpenShift: an owner reference with
 # blockOwnerDeletion (kopf.adopt sets it) needs update on the owner's finalizers subresource.
 # Its address: an explicit one, since a loopback-only network namespace has no default route to
-# take it from, and Services' addresses from a range local to that namespace (cluster/netns.py)
-# instead of the default 10.0.0.0/24; the kwok controller's fallback pod range likewise.
+# take it from, the real node's (which pods reach: cluster/node.py), and Services' addresses
+# from a range local to that namespace (cluster/netns.py) instead of the default 10.0.0.0/24;
+# the kwok controller's fallback pod range likewise.
 EXTRA_ARGS = (
     "kube-apiserver=enable-admission-plugins=OwnerReferencesPermissionEnforcement",
-    "kube-apiserver=advertise-address=127.0.0.1",
+    f"kube-apiserver=advertise-address={NODE_ADDRESS}",
     f"kube-apiserver=service-cluster-ip-range={SERVICE_RANGE}",
     f"kwok-controller=cidr={FALLBACK_POD_CIDR}",
 )
-# kwokctl's configuration: every component listens on the loopback address only (kwokctl's
-# default, 0.0.0.0, would put an unauthenticated etcd on every interface of the machine).
-KWOKCTL_CONFIG = """\
-apiVersion: config.kwok.x-k8s.io/v1alpha1
-kind: KwokctlConfiguration
-options:
-  bindAddress: 127.0.0.1
-"""
+
+# The API server's listening address: every address of the cluster's network namespace, which
+# is loopback-only (cluster/netns.py), so that pods reach it at the real node's address.
+API_SERVER_BIND = "0.0.0.0"  # nosec B104
+
+
+def kwokctl_config(pki: Path) -> dict[str, Any]:
+    """kwokctl's configuration for a cluster whose PKI kwokctl writes to ``pki``.
+
+    Every component listens on the loopback address only (kwokctl's default, 0.0.0.0, would put
+    an unauthenticated etcd on every interface of the machine), but the API server, which
+    listens on every address of its loopback-only namespace: pods reach it through the
+    `kubernetes` Service at the real node's address. Its certificate names that address and
+    the Service's (KUBERNETES_SERVICE_HOST, which in-cluster clients dial). It reaches the
+    kubelet (logs, exec) at the node's InternalIP, authenticated with kwokctl's admin
+    certificate. The kwok controller manages only the nodes annotated as kwok's (kwokctl's
+    binary runtime makes it manage every node, the real one included).
+    """
+    return {
+        "apiVersion": "config.kwok.x-k8s.io/v1alpha1",
+        "kind": "KwokctlConfiguration",
+        "options": {
+            "bindAddress": "127.0.0.1",
+            "kubeApiserverCertSANs": [NODE_ADDRESS, str(ipaddress.ip_network(SERVICE_RANGE)[1])],
+        },
+        "componentsPatches": [
+            {
+                "name": "kube-apiserver",
+                "extraArgs": [
+                    {"key": "bind-address", "value": API_SERVER_BIND, "override": True},
+                    {"key": "kubelet-client-certificate", "value": str(pki / "admin.crt")},
+                    {"key": "kubelet-client-key", "value": str(pki / "admin.key")},
+                    {"key": "kubelet-preferred-address-types", "value": "InternalIP"},
+                ],
+            },
+            {
+                "name": "kwok-controller",
+                "extraArgs": [
+                    {"key": "manage-all-nodes", "value": "false", "override": True},
+                    {
+                        "key": "manage-nodes-with-annotation-selector",
+                        "value": f"{KWOK_NODE_ANNOTATION}=fake",
+                    },
+                ],
+            },
+        ],
+    }
 
 
 def pod_cidr(index: int) -> str:
@@ -117,7 +167,7 @@ def node_manifest(name: str, index: int) -> dict[str, Any]:
         "kind": "Node",
         "metadata": {
             "name": name,
-            "annotations": {"node.alpha.kubernetes.io/ttl": "0", "kwok.x-k8s.io/node": "fake"},
+            "annotations": {"node.alpha.kubernetes.io/ttl": "0", KWOK_NODE_ANNOTATION: "fake"},
             "labels": {
                 "beta.kubernetes.io/arch": "amd64",
                 "beta.kubernetes.io/os": "linux",
@@ -155,16 +205,52 @@ def _node_ready(node: Mapping[str, Any]) -> bool:
     return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class LocalCluster:
-    """The control plane whose state lives in `out` (kwokctl work dir and kubeconfig)."""
+    """The control plane whose state lives in `out` (kwokctl work dir and kubeconfig), and its
+    real node (`real_node`, state in `out/node`), which `up` starts with it when built with
+    ``real_node=True`` and stops otherwise; `down` stops both.
+
+    The control plane is the same with or without the real node (`kwokctl_config`), so the node
+    starts and stops on a running control plane.
+    """
 
     out: Path
-    bin_dir: Path = BIN_DIR
-    name: str = CLUSTER_NAME
-    nodes: Sequence[str] = field(default=NODE_NAMES)
+    bin_dir: Path
+    name: str
+    nodes: Sequence[str]
     # kwokctl's `--extra-args component=flag=value`.
-    extra_args: Sequence[str] = EXTRA_ARGS
+    extra_args: Sequence[str]
+    with_real_node: bool
+
+    def __init__(
+        self,
+        out: Path,
+        bin_dir: Path = BIN_DIR,
+        name: str = CLUSTER_NAME,
+        nodes: Sequence[str] = NODE_NAMES,
+        extra_args: Sequence[str] = EXTRA_ARGS,
+        real_node: bool = False,
+    ) -> None:
+        for key, value in (
+            ("out", out),
+            ("bin_dir", bin_dir),
+            ("name", name),
+            ("nodes", tuple(nodes)),
+            ("extra_args", tuple(extra_args)),
+            ("with_real_node", real_node),
+        ):
+            object.__setattr__(self, key, value)
+
+    @property
+    def real_node(self) -> RealNode:
+        """The cluster's real node, running or not (`RealNode.running`)."""
+        return RealNode(
+            state=self.out.resolve() / "node",
+            pki=self.cluster_dir / "pki",
+            kubeconfig=self.kubeconfig,
+            bin_dir=self.bin_dir,
+        )
 
     @property
     def workdir(self) -> Path:
@@ -233,7 +319,7 @@ class LocalCluster:
 
     def kwokctl(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
         self.out.mkdir(parents=True, exist_ok=True)
-        self.config_path.write_text(KWOKCTL_CONFIG)
+        self.config_path.write_text(json.dumps(kwokctl_config(self.cluster_dir / "pki"), indent=2))
         return subprocess.run(
             [
                 str(self.bin_dir / "kwokctl"),
@@ -287,15 +373,17 @@ class LocalCluster:
             time.sleep(interval)
 
     def up(self, timeout: float = 300) -> bool:
-        """Start the cluster in this process's network namespace, or reuse one running there.
-        True when it was started here."""
+        """Start the cluster in this process's network namespace, or reuse one running there,
+        and start or stop its real node as asked. True when the control plane was started
+        here."""
         self._check_same_namespace()
+        deadline = time.monotonic() + timeout
         if self.answering() and self.nodes_ready():
+            self._converge_real_node(deadline)
             return False
-        if self.cluster_dir.exists():
+        if self.cluster_dir.exists() or self.real_node.record.exists():
             # A stopped or broken cluster from an earlier run: start clean.
             self.down()
-        deadline = time.monotonic() + timeout
         self.out.mkdir(parents=True, exist_ok=True)
         self.kubeconfig.unlink(missing_ok=True)
         audit_policy = self.out.resolve() / "audit-policy.yaml"
@@ -350,7 +438,19 @@ class LocalCluster:
             ),
             deadline,
         )
+        self._converge_real_node(deadline)
         return True
+
+    def _converge_real_node(self, deadline: float) -> None:
+        """Start the real node if asked and not Ready, stop it if not asked and running."""
+        node = self.real_node
+        try:
+            if self.with_real_node and not node.ready():
+                node.start(timeout=max(deadline - time.monotonic(), 30))
+            elif not self.with_real_node and node.record.exists():
+                node.stop()
+        except NodeError as error:
+            raise ClusterError(f"real node {node.name}: {error}") from error
 
     def _check_no_downloads(self) -> None:
         cache = self.workdir / "cache"
@@ -362,7 +462,11 @@ class LocalCluster:
         """Refuse to touch this work dir's processes from another network namespace: they
         answer only inside their own, and kwokctl would kill them by their pid files."""
         ours = netns_inode()
-        foreign = [pid for pid in self.pids() if netns_inode(pid) not in (ours, None)]
+        # The real node's holder is in the namespace the node was started from (its pods are
+        # in namespaces of their own).
+        held = self.real_node.holder()
+        processes = [*self.pids(), *(held[:1] if held else ())]
+        foreign = [pid for pid in processes if netns_inode(pid) not in (ours, None)]
         if foreign:
             raise ClusterError(
                 f"the cluster in {self.out} runs in another network namespace (processes "
@@ -386,8 +490,14 @@ class LocalCluster:
         return sorted(found)
 
     def down(self, timeout: float = 60) -> None:
-        """Stop every component and delete the cluster; no process of it is left behind."""
+        """Stop the real node (while the API server answers, so that its pods are deleted
+        first), every component, and delete the cluster; no process of it is left behind."""
         self._check_same_namespace()
+        node_error: NodeError | None = None
+        try:
+            self.real_node.stop(timeout=timeout)
+        except NodeError as error:
+            node_error = error  # the control plane goes down all the same
         if (self.bin_dir / "kwokctl").is_file() and self.cluster_dir.exists():
             self.kwokctl("delete", "cluster", "--kubeconfig", str(self.kubeconfig), timeout=timeout)
         deadline = time.monotonic() + timeout
@@ -403,6 +513,8 @@ class LocalCluster:
         left = self.pids()
         if left:
             raise ClusterError(f"processes still running after cluster-down: {left}")
+        if node_error is not None:
+            raise ClusterError(f"real node: {node_error}") from node_error
         self.kubeconfig.unlink(missing_ok=True)
 
     def write_token_kubeconfig(
