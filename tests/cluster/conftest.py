@@ -31,7 +31,6 @@ from cluster.local import BINARY_ENV, LocalCluster  # noqa: E402
 from tests.cluster.helpers import (  # noqa: E402
     CHART,
     EXAMPLE,
-    MONITORING_CRDS,
     OUT,
     QUICK_START_SETS,
     START_TIMEOUT_S,
@@ -39,6 +38,7 @@ from tests.cluster.helpers import (  # noqa: E402
     Kube,
     MakePolicy,
     Release,
+    apply_monitoring_crds,
     launch_operator,
     operator_paused,
 )
@@ -87,16 +87,7 @@ def _remove_finalizers(kube: Kube, namespace: str) -> None:
 @pytest.fixture(scope="session")
 def monitoring_crds(kube: Kube) -> list[str]:
     """The Prometheus Operator's CRDs (as kube-prometheus-stack installs them), established."""
-    files = sorted(MONITORING_CRDS.glob("*.yaml"))
-    if not files:
-        pytest.fail(f"no Prometheus Operator CRDs in {MONITORING_CRDS}: run `make cluster-crds`")
-    names = []
-    for path in files:
-        kube.run("apply", "--server-side", "-f", str(path))
-        names.append(yaml.safe_load(path.read_text(encoding="utf-8"))["metadata"]["name"])
-    for name in names:
-        kube.run("wait", "--for=condition=Established", f"crd/{name}", "--timeout=60s")
-    return names
+    return apply_monitoring_crds(kube)
 
 
 @pytest.fixture(scope="session")

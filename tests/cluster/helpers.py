@@ -139,6 +139,21 @@ class Kube:
         )
 
 
+def apply_monitoring_crds(kube: Kube) -> list[str]:
+    """Apply the Prometheus Operator's CRDs (as kube-prometheus-stack installs them, from
+    MONITORING_CRDS) and wait until they are established; their names."""
+    files = sorted(MONITORING_CRDS.glob("*.yaml"))
+    if not files:
+        pytest.fail(f"no Prometheus Operator CRDs in {MONITORING_CRDS}: run `make cluster-crds`")
+    names = []
+    for path in files:
+        kube.run("apply", "--server-side", "-f", str(path))
+        names.append(yaml.safe_load(path.read_text(encoding="utf-8"))["metadata"]["name"])
+    for name in names:
+        kube.run("wait", "--for=condition=Established", f"crd/{name}", "--timeout=60s")
+    return names
+
+
 @dataclass(frozen=True)
 class Release:
     name: str
