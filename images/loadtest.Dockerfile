@@ -18,11 +18,14 @@ RUN python -m build --wheel --outdir /dist common \
     && python -m build --wheel --outdir /dist loadtest
 
 FROM ${PYTHON_IMAGE}:${PYTHON_TAG}
-# The wheels are mounted from the first stage, so no layer keeps them.
-RUN --mount=type=bind,from=wheel,source=/dist,target=/tmp/dist \
-    pip install --no-cache-dir /tmp/dist/*.whl "locust==2.47.0" "requests==2.34.2" \
+# The wheels are copied from the first stage, not bind-mounted: buildah keys a RUN step's
+# cache on its text alone, so a mounted stage that changed would not rebuild it; a COPY is
+# keyed on what it copies. The install removes them; their layer keeps about a megabyte.
+COPY --from=wheel /dist /tmp/dist
+RUN pip install --no-cache-dir /tmp/dist/*.whl "locust==2.47.0" "requests==2.34.2" \
         "numpy==2.3.5" \
-    && useradd --uid 10001 --user-group --create-home --shell /usr/sbin/nologin locust
+    && useradd --uid 10001 --user-group --create-home --shell /usr/sbin/nologin locust \
+    && rm -rf /tmp/dist
 # The locustfile at the path the chart's Job names; it imports the installed arc_loadtest.
 COPY loadtest/src/arc_loadtest/locustfile.py /app/loadtest/locustfile.py
 ENV HOME=/home/locust \

