@@ -228,6 +228,22 @@ def test_placement_reaches_the_servingpolicy_and_each_kind_of_pod() -> None:
     assert router["nodeSelector"] == {"pool": "cpu"} and router["tolerations"] == routers
 
 
+def test_the_hook_and_the_test_pod_are_placed_by_their_own_values() -> None:
+    objects = render(ci_values("placement-values.yaml"))
+    (hook,) = [o for o in by_kind(objects, "Job") if o["metadata"]["name"].endswith("-cleanup")]
+    hook_pod = hook["spec"]["template"]["spec"]
+    assert hook_pod["nodeSelector"] == {"pool": "cpu"}
+    assert hook_pod["tolerations"] == [
+        {"key": "dedicated", "value": "routers", "effect": "NoSchedule"}
+    ]
+    test_pod = one(objects, "Pod")["spec"]
+    assert test_pod["nodeSelector"] == {"pool": "cpu"} and "tolerations" not in test_pod
+    defaults = render()
+    (hook,) = [o for o in by_kind(defaults, "Job") if o["metadata"]["name"].endswith("-cleanup")]
+    assert "nodeSelector" not in hook["spec"]["template"]["spec"]
+    assert "nodeSelector" not in one(defaults, "Pod")["spec"]
+
+
 def test_default_servingpolicy_places_no_pod() -> None:
     spec = one(render(sets={"servingPolicy.replicas": "2"}), "ServingPolicy")["spec"]
     assert "nodeSelector" not in spec and "tolerations" not in spec

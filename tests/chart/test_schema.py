@@ -385,6 +385,18 @@ def test_default_values_satisfy_the_schema() -> None:
     jsonschema.Draft7Validator(SCHEMA).validate(values)
 
 
+def test_ingress_annotations_null_is_valid_as_reused_values() -> None:
+    """`--set ingress.annotations=null` drops the defaults; `helm upgrade --reuse-values` then
+    validates the null itself, not the defaults merged over it."""
+    values = yaml.safe_load(VALUES_TEXT)
+    values["ingress"]["annotations"] = None
+    jsonschema.Draft7Validator(SCHEMA).validate(values)
+    rendered = helm_template(sets={"ingress.enabled": "true", "ingress.annotations": "null"})
+    assert rendered.returncode == 0, rendered.stderr
+    (ingress,) = [d for d in yaml.safe_load_all(rendered.stdout) if d and d["kind"] == "Ingress"]
+    assert "annotations" not in ingress["metadata"]
+
+
 def test_values_file_links_its_schema() -> None:
     assert VALUES_TEXT.startswith("# yaml-language-server: $schema=values.schema.json\n")
 
