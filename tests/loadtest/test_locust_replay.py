@@ -12,7 +12,7 @@ import requests
 from conftest import conversation_records, write_lines
 
 from arc_harness.vllm_server import VllmServer
-from arc_loadtest.replay import ServerClient
+from arc_loadtest.replay import SUMMARY_LOG_PREFIX, ServerClient
 from arc_loadtest.report import CacheCounters, parse_counters
 from arc_loadtest.run import ReplayRun, run_replay
 from arc_loadtest.tokens import vocabulary_from_server, vocabulary_from_tokenizer
@@ -78,6 +78,9 @@ def test_replay_answers_every_request_as_the_trace_says(
     assert cache["hit_tokens"] > 0  # sessions share a system prompt and their history
     assert run.summary["requests_ok"] == len(records)
     assert run.summary["itl_s"]["count"] > 0
+    # The same summary as one JSON log line, for runs whose files nobody can fetch (a Job).
+    (logged,) = [line for line in run.log.splitlines() if SUMMARY_LOG_PREFIX in line]
+    assert json.loads(logged.split(SUMMARY_LOG_PREFIX, 1)[1]) == run.summary
 
 
 def test_session_turns_are_sent_after_the_previous_answer(

@@ -33,6 +33,8 @@ log = logging.getLogger("loadtest")
 # The API key's variable (also --api-key). No fallback to OPENAI_API_KEY: a key meant for
 # another service must never be sent to the server under test by accident.
 LOADTEST_API_KEY_ENV = "LOADTEST_API_KEY"
+# The log line that carries the run's summary as JSON, after the text table.
+SUMMARY_LOG_PREFIX = "replay summary json "
 
 
 class AuthenticationError(RuntimeError):
@@ -241,4 +243,6 @@ class Results:
             Path(self.settings.summary).parent.mkdir(parents=True, exist_ok=True)
             Path(self.settings.summary).write_text(json.dumps(self.summary, indent=2) + "\n")
         log.info("replay summary\n%s", format_summary(self.summary))
+        # One line a log collector (or `kubectl logs`) reads back whole, where no file is kept.
+        log.info("%s%s", SUMMARY_LOG_PREFIX, json.dumps(self.summary, sort_keys=True))
         return self.summary
