@@ -48,7 +48,7 @@ demo: $(STAMP) $(PROMETHEUS)
 demo-fleet: $(STAMP)
 	$(PY) -m arc_dev.fleet_demo --out $(OUT)/demo-fleet
 
-# Everything, in two steps that together run every test once, each report printed in turn,
+# Everything, in three steps that together run every test once, each report printed in turn,
 # after the set-up that reaches the package registries (the images tests/images runs are built
 # first: `make images-local`, seconds when nothing changed):
 # 1. the tests marked exclusive (the servers' and the cluster's), one at a time, since they
@@ -59,7 +59,9 @@ demo-fleet: $(STAMP)
 # 2. the server tests (vLLM, Locust, marked slow), two modules at a time, with tests/cluster on
 #    a local control plane (built from Go modules: see cluster/README.md) beside them, since
 #    most of their time is spent waiting on paced replays, alert timers, leases and start-ups
-#    (report: $(OUT)/test-cluster.log).
+#    (report: $(OUT)/test-cluster.log);
+# 3. alone, the README's used-by path on the local cluster's real node (tests/e2e, make e2e):
+#    its replays are paced to the engine pods' measured speed, so nothing else may run beside.
 # Each run lists its 15 slowest tests; the target fails if any run failed.
 SERVER_TESTS := vllm or locust or slow
 # Every test process runs in a loopback-only network namespace of its own (cluster/netns.py),
@@ -71,7 +73,7 @@ CLUSTER_LOG := $(OUT)/test-cluster.log
 test: $(STAMP) tools cluster-binaries cluster-crds images-local cluster-images
 	@mkdir -p $(OUT)
 	@nice -n 19 $(ISOLATED) $(PY) -m pytest -n auto --dist worksteal -m "not ($(SERVER_TESTS))" \
-	    --ignore=tests/cluster --durations=15 > $(FAST_LOG) 2>&1 & \
+	    --ignore=tests/cluster --ignore=tests/e2e --durations=15 > $(FAST_LOG) 2>&1 & \
 	  fast=$$!; \
 	  echo "the no-server tests run beside the exclusive ones at nice 19 ($(FAST_LOG))"; \
 	  $(ISOLATED) $(PY) -m pytest -m exclusive --durations=15; exclusive=$$?; \
@@ -82,11 +84,13 @@ test: $(STAMP) tools cluster-binaries cluster-crds images-local cluster-images
 	  cluster=$$!; \
 	  echo "tests/cluster runs beside the server tests ($(CLUSTER_LOG))"; \
 	  $(ISOLATED) $(PY) -m pytest -n 2 --dist loadfile -m "($(SERVER_TESTS)) and not exclusive" \
-	    --ignore=tests/cluster --durations=15; server=$$?; \
+	    --ignore=tests/cluster --ignore=tests/e2e --durations=15; server=$$?; \
 	  wait $$cluster; clustered=$$?; \
 	  echo "===== tests/cluster ($(CLUSTER_LOG)) ====="; cat $(CLUSTER_LOG); \
-	  echo "make test: exclusive $$exclusive, no-server $$fasted, server $$server, cluster $$clustered"; \
-	  [ $$exclusive -eq 0 ] && [ $$fasted -eq 0 ] && [ $$server -eq 0 ] && [ $$clustered -eq 0 ]
+	  $(ISOLATED) $(PY) -m pytest tests/e2e --durations=0; e2e=$$?; \
+	  echo "make test: exclusive $$exclusive, no-server $$fasted, server $$server, cluster $$clustered, e2e $$e2e"; \
+	  [ $$exclusive -eq 0 ] && [ $$fasted -eq 0 ] && [ $$server -eq 0 ] && [ $$clustered -eq 0 ] \
+	    && [ $$e2e -eq 0 ]
 
 # The fast tier for a developer's loop: everything that starts no vLLM server, no Locust run
 # and nothing else marked slow, with a tenth of each fuzz target's cases, on every core.
@@ -201,9 +205,15 @@ images-local: image-tools
 clean:
 	rm -rf $(VENV) $(AUDIT_VENV) $(VENV_VLLM033) $(TOOLS) $(OUT)
 
-# Operator end-to-end check on the cluster in KUBECONFIG (skips when none is reachable).
-.PHONY: e2e
-e2e:
+# The README's used-by path on the local cluster's real node (tests/e2e): helm install with the
+# CPU engine, the live policy switch, the Locust Job through the ingress, Prometheus and the
+# dashboards, faults, helm uninstall. Writes its figures to $(OUT)/e2e/figures.json.
+.PHONY: e2e e2e-live
+e2e: $(STAMP) tools cluster-binaries cluster-crds images-local cluster-images
+	$(ISOLATED) $(PY) -m pytest tests/e2e --durations=0
+
+# The operator on a cluster of the user's own, the one in KUBECONFIG (skips when none answers).
+e2e-live:
 	bash operator/e2e.sh
 
 # The evaluation (docs/evaluation.md): every policy and Belady on the Mooncake sample and
@@ -338,6 +348,14 @@ $(TRAEFIK): $(TRAEFIK_MOD)/go.mod $(TRAEFIK_MOD)/go.sum
 cluster-ingress-image: image-tools $(TRAEFIK)
 	$(PYTHON) -m cluster.ingress image
 
+# kubectl alone in localhost/arc-serving/kubectl:VERSION, for the chart's pre-delete hook on the
+# real node (cluster/addons.py), one of `make cluster-images`.
+.PHONY: cluster-kubectl-image
+cluster-kubectl-image: image-tools $(KUBECTL)
+	$(PYTHON) -m cluster.addons kubectl-image
+
+cluster-images: cluster-kubectl-image
+
 cluster-binaries: $(TRAEFIK)
 cluster-images: cluster-ingress-image
 
@@ -415,9 +433,11 @@ cluster-crds: $(CLUSTER_CRDS)
 # The cluster runs in a loopback-only network namespace of its own (cluster/netns.py), with
 # its real node (cluster/node.py; root needed): `make cluster-shell` opens a shell there
 # (KUBECONFIG set, .tools/bin on PATH), and `make cluster-shell -- kubectl get nodes` runs one
-# command.
-cluster: cluster-binaries cluster-crds $(STAMP)
+# command. Cluster DNS and the ingress controller (Traefik) run on the real node
+# (cluster/addons.py).
+cluster: cluster-binaries cluster-crds cluster-images $(STAMP)
 	$(PY) -m cluster up --out $(CLUSTER_OUT)
+	$(PY) -m cluster addons --out $(CLUSTER_OUT)
 
 cluster-down:
 	$(PY) -m cluster down --out $(CLUSTER_OUT)

@@ -5,7 +5,8 @@ real node, in a loopback-only network namespace of its own (cluster/netns.py).
 (cluster/node.py) unless `--no-real-node` (which stops a running one); `shell` runs a shell,
 or the command after `--`, inside it with KUBECONFIG set and .tools/bin first on PATH;
 `import-images` copies images from buildah's storage into the real node's containerd (those
-after `--`, else every image out/images/built.json lists: `make images-local`); `down`
+after `--`, else every image out/images/built.json lists: `make images-local`); `addons` runs
+cluster DNS and the ingress controller on the real node (cluster/addons.py); `down`
 stops the cluster and every process of the namespace, and the namespace with them. `--here`
 works on a cluster in this process's own network namespace instead (tests/cluster's case: the
 test run has a loopback-only namespace of its own).
@@ -20,6 +21,7 @@ import sys
 import time
 from pathlib import Path
 
+from cluster import addons
 from cluster.local import CLUSTER_NAME, REPO, ClusterError, LocalCluster
 from cluster.netns import NamespaceError
 from cluster.node import NodeError
@@ -31,11 +33,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m cluster",
         usage="%(prog)s [-h] [--out OUT] [--name NAME] [--timeout TIMEOUT] [--here] "
-        "[--no-real-node] {up,down,status,shell,import-images} [-- COMMAND [ARG...] | REF...]",
+        "[--no-real-node] {up,down,status,shell,import-images,addons} "
+        "[-- COMMAND [ARG...] | REF...]",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("command", choices=["up", "down", "status", "shell", "import-images"])
+    parser.add_argument(
+        "command", choices=["up", "down", "status", "shell", "import-images", "addons"]
+    )
     parser.add_argument("--out", type=Path, default=Path("out/cluster"))
     parser.add_argument("--name", default=CLUSTER_NAME, help="kwokctl's cluster name")
     parser.add_argument("--timeout", type=float, default=300, help="seconds for up/down")
@@ -102,6 +107,16 @@ def here(cluster: LocalCluster, command: str, timeout: float, references: list[s
         for reference, seconds in imported.items():
             done = "already there" if seconds is None else f"imported in {seconds:.1f} s"
             print(f"{reference}: {done}")
+    elif command == "addons":
+        try:
+            installed = addons.install(cluster)
+        except NodeError as error:
+            raise ClusterError(str(error)) from error
+        print(
+            f"cluster DNS at {installed.dns_address}; the ingress controller (IngressClass and "
+            f"GatewayClass traefik, Gateway traefik/traefik listener web) at "
+            f"{installed.ingress_url}"
+        )
     else:
         raise ClusterError("shell needs the cluster's held namespace; drop --here")
     return 0
@@ -150,6 +165,8 @@ def held(cluster: LocalCluster, command: str, timeout: float, argv: list[str]) -
         return 0
     if command == "import-images":
         return namespace.run_inside([*inside, "import-images", "--", *argv])
+    if command == "addons":
+        return namespace.run_inside([*inside, "addons"])
     return namespace.run_inside([*inside, "status"])
 
 
