@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.cluster.helpers import CHART, DEPRECATION, OUT, Kube, Release, wait_for
+from cluster.addons import apply_gateway_api_crds
+from tests.cluster.helpers import CHART, DEPRECATION, Kube, Release, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -22,24 +23,13 @@ RESTRICTED = (
     "pod-security.kubernetes.io/enforce=restricted",
     "pod-security.kubernetes.io/warn=restricted",
 )
-# The Gateway API's standard CRDs (v1.6.3), which `make cluster-crds` copies from its Go module.
-GATEWAY_API_CRDS = OUT / "crds" / "gateway-api"
 
 
 @pytest.fixture(scope="module")
 def gateway_api_crds(kube: Kube) -> list[str]:
-    """GatewayClass, Gateway and HTTPRoute, as a cluster with the Gateway API has them,
-    established; their names."""
-    files = sorted(GATEWAY_API_CRDS.glob("*.yaml"))
-    if not files:
-        pytest.fail(f"no Gateway API CRDs in {GATEWAY_API_CRDS}: run `make cluster-crds`")
-    names = []
-    for path in files:
-        kube.run("apply", "--server-side", "-f", str(path))
-        names.append(yaml.safe_load(path.read_text(encoding="utf-8"))["metadata"]["name"])
-    for name in names:
-        kube.run("wait", "--for=condition=Established", f"crd/{name}", "--timeout=60s")
-    return names
+    """GatewayClass, Gateway and HTTPRoute, as a cluster with the Gateway API has them (the
+    standard CRDs `make cluster-crds` copies), established; their names."""
+    return apply_gateway_api_crds(kube.cluster)
 
 
 def _manifest_objects(text: str) -> list[dict[str, Any]]:

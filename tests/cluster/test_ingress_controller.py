@@ -29,10 +29,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
 from arc_harness.listening import sample_listeners
 from arc_harness.vllm_server import free_port
+from cluster.addons import apply_gateway_api_crds
 from cluster.ingress import (
     CLASS_NAME,
     GATEWAY_CONTROLLER,
@@ -62,8 +62,6 @@ from tests.images.containers import Bind, Container, runner_missing
 pytestmark = pytest.mark.slow
 
 OUT = REPO / "out" / "cluster-traefik"
-# The Gateway API's standard CRDs, which `make cluster-crds` copies from sigs.k8s.io/gateway-api.
-GATEWAY_API_CRDS = REPO / "out" / "cluster" / "crds" / "gateway-api"
 SERVICE_ACCOUNT = f"system:serviceaccount:{NAMESPACE}:{NAME}"
 # Not 127.0.0.1, where Traefik listens: the routes must lead to the EndpointSlice's address.
 BACKEND_ADDRESS = str(ipaddress.ip_network(pod_cidr(100))[23])
@@ -87,17 +85,11 @@ def setup() -> Iterator[Setup]:
     listener on a free port, which the Traefik of each test listens on."""
     if not TRAEFIK_BINARY.is_file():
         pytest.fail(f"no {TRAEFIK_BINARY}: run `make cluster-binaries`")
-    crds = sorted(GATEWAY_API_CRDS.glob("*.yaml"))
-    if not crds:
-        pytest.fail(f"no Gateway API CRDs in {GATEWAY_API_CRDS}: run `make cluster-crds`")
     cluster = LocalCluster(out=OUT, name="arc-traefik")
     started = cluster.up(timeout=START_TIMEOUT_S)
     try:
         kube = Kube(cluster, cluster.kubeconfig)
-        for path in crds:
-            kube.run("apply", "--server-side", "-f", str(path))
-            name = yaml.safe_load(path.read_text(encoding="utf-8"))["metadata"]["name"]
-            kube.run("wait", "--for=condition=Established", f"crd/{name}", "--timeout=60s")
+        apply_gateway_api_crds(cluster)
         web_port = free_port()
         objects = manifests(node_selector={"type": "kwok"}, web_port=web_port)
         applied = kube.run("apply", "-f", "-", input=json.dumps(as_list(objects)))

@@ -28,7 +28,7 @@ from typing import Any
 import pytest
 import yaml
 
-from arc_dev.fleet_demo import Figures, Routing, predict
+from arc_dev.fleet_demo import CONVERSATION, Figures, Routing, predict
 from arc_dev.pacing import Pace, measure_cost, pace
 from arc_dev.snapshot import snapshot
 from arc_harness.fleet import parse_metrics
@@ -40,7 +40,7 @@ from arc_harness.prometheus import (
 )
 from arc_loadtest.replay import SUMMARY_LOG_PREFIX
 from arc_serving_common.traces import TraceRequest, load_trace
-from arc_simulator.generate import ConversationParams, conversation, write_generated
+from arc_simulator.generate import conversation, write_generated
 from arc_simulator.simulate import CostModel
 from tests.cluster.helpers import CHART, REPO, Kube, apply_monitoring_crds, wait_for
 from tests.e2e.conftest import OUT, wait_ready
@@ -65,18 +65,8 @@ CAPACITY_BLOCKS = 64  # per replica; vLLM's null block is one more
 # Each replica busy about this share of the replay if nothing hit: requests rarely queue, as
 # the simulator's overlapping mode assumes of a lightly loaded fleet (docs/routing.md).
 UTILIZATION = 0.25
-TRACE = ConversationParams(
-    sessions=24,
-    system_prompts=3,
-    system_tokens=480,
-    mean_turns=3.0,
-    max_turns=5,
-    user_tokens=64,
-    output_tokens=8,
-    think_time_s=1.5,
-    sessions_per_second=1.0,
-    seed=0,
-)
+# make demo-fleet's conversations (shared system prompts, multi-turn sessions), a few more.
+TRACE = replace(CONVERSATION, sessions=24, system_prompts=3, sessions_per_second=1.0)
 # The chart's default router for replicas > 1 (kv_aware at the operator's temperature).
 ROUTING = Routing("kv_aware")
 # Deadlines for a slow, shared 2-core machine: two vLLM pods start on it at once.
