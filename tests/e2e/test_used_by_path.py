@@ -7,7 +7,8 @@ Prometheus finding the pods through the API server and answering the dashboards'
 (an engine pod deleted mid-replay, the operator's container killed), and `helm uninstall`.
 
 The tests of this module share one release and run in the order written; each leaves the release
-as the next expects it. Figures go to out/e2e/figures.json.
+as the next expects it. Figures go to out/e2e/figures.json, each kubectl and helm command a user
+would type with what it printed to out/e2e/transcript.txt.
 """
 
 from __future__ import annotations
