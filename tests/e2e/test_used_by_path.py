@@ -85,13 +85,14 @@ TRANSCRIPT = OUT / "transcript.txt"
 
 
 def shown(
-    result: subprocess.CompletedProcess[str], keep: int = 30
+    result: subprocess.CompletedProcess[str], keep: int = 30, lines: list[str] | None = None
 ) -> subprocess.CompletedProcess[str]:
-    """Append the command (kubectl or helm) and the last ``keep`` lines it printed to
-    OUT/transcript.txt: the used-by path as a user would see it."""
+    """Append the command (kubectl or helm) and the last ``keep`` lines it printed (or
+    ``lines`` of it) to OUT/transcript.txt: the used-by path as a user would see it."""
     tool = Path(str(result.args[0])).name
     words = " ".join(str(a).replace(str(REPO), ".") for a in result.args[1:])
-    printed = (result.stdout + result.stderr).replace(str(REPO), ".").rstrip().splitlines()
+    text = "\n".join(lines) if lines is not None else result.stdout + result.stderr
+    printed = text.replace(str(REPO), ".").rstrip().splitlines()
     with TRANSCRIPT.open("a", encoding="utf-8") as out:
         out.write(f"$ {tool} {words}\n")
         out.writelines(f"{line}\n" for line in printed[-keep:])
@@ -448,9 +449,13 @@ def finished_load_test(kube: Kube, job: str, timeout: float) -> JobRun:
         return done[0] if done else None
 
     condition = wait_for(f"Job {job} to end", ended, timeout=timeout, interval=2)
-    log = shown(kube.run("logs", f"job/{job}", "-n", NAMESPACE, "-c", "locust"), keep=12).stdout
+    logs = kube.run("logs", f"job/{job}", "-n", NAMESPACE, "-c", "locust")
+    log = logs.stdout
     lines = [line for line in log.splitlines() if SUMMARY_LOG_PREFIX in line]
     assert lines, f"no summary in the log of {job}:\n{log[-3000:]}"
+    # The replay's own table: the lines between "replay summary" and its JSON line.
+    table = log.split("replay summary\n", 1)[-1].split(SUMMARY_LOG_PREFIX, 1)[0].splitlines()
+    shown(logs, lines=["...", *table[:-1]])
     summary = json.loads(lines[-1].split(SUMMARY_LOG_PREFIX, 1)[1])
     return JobRun(job, condition["type"] == "Complete", summary, time.monotonic() - started)
 
