@@ -68,7 +68,11 @@ def apply_gateway_api_crds(cluster: LocalCluster, crds: Path = GATEWAY_API_CRDS)
             raise ClusterError(f"kubectl apply {path.name} failed: {applied.stderr.strip()}")
         names.append(applied.stdout.strip())
     for name in names:
-        cluster.kubectl("wait", "--for=condition=Established", name, "--timeout=60s", timeout=90)
+        waited = cluster.kubectl(
+            "wait", "--for=condition=Established", name, "--timeout=60s", timeout=90
+        )
+        if waited.returncode != 0:
+            raise ClusterError(f"{name} not established: {waited.stderr.strip()}")
     return names
 
 
