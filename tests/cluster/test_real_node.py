@@ -126,6 +126,14 @@ def web(kube: Kube) -> dict[str, Any]:
         "spec": {"selector": {"app": "web"}, "ports": [{"port": 80, "targetPort": PORT}]},
     }
     kube.run("apply", "-f", "-", input=json.dumps(service))
+    # kube-proxy programs a new Service some moments after its EndpointSlice: until then
+    # its address is refused.
+    wait_for(
+        "kube-proxy's rules for Service web",
+        lambda: proxied(kube, service_ip(kube), pod["status"]["podIP"]),
+        timeout=START_TIMEOUT_S,
+        detail=lambda: node_rules(kube),
+    )
     return pod
 
 
@@ -138,6 +146,20 @@ def service_ip(kube: Kube) -> str:
     service = kube.get("service", "web", "-n", NAMESPACE)
     assert service is not None
     return str(service["spec"]["clusterIP"])
+
+
+def node_rules(kube: Kube) -> str:
+    """The node's iptables rules, as kube-proxy wrote them (nft backend)."""
+    env = kube.cluster.real_node.env()
+    return subprocess.run(["iptables-save"], env=env, capture_output=True, text=True).stdout
+
+
+def proxied(kube: Kube, address: str, pod_ip: str) -> bool:
+    """kube-proxy sends ``address`` to a Service chain and has a DNAT to ``pod_ip``."""
+    rules = node_rules(kube).splitlines()
+    to_service = any(f"-d {address}/32" in r and "-j KUBE-SVC-" in r for r in rules)
+    to_pod = any(f"--to-destination {pod_ip}:{PORT}" in r for r in rules)
+    return to_service and to_pod
 
 
 def exec_python(kube: Kube, pod: str, code: str) -> str:

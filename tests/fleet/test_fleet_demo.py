@@ -25,7 +25,9 @@ from arc_serving_common.traces import TraceRequest, load_trace
 from arc_simulator.fleet import simulate_fleet
 from arc_simulator.routing import ConsistentHashRouter
 
-pytestmark = [pytest.mark.vllm, pytest.mark.locust, pytest.mark.slow]
+# Exclusive: the decisions are joined to the records within a fixed time boundary
+# (arc_dev.fleet_decisions.BOUNDARY_S), which a machine busy with other tests overruns.
+pytestmark = [pytest.mark.vllm, pytest.mark.locust, pytest.mark.slow, pytest.mark.exclusive]
 
 PORT_BASE = 27500  # the demo's default range is 27400; a test never shares it
 ROUTING = fleet_demo.DEFAULT_ROUTING
