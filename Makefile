@@ -48,8 +48,7 @@ demo: $(STAMP) $(PROMETHEUS)
 demo-fleet: $(STAMP)
 	$(PY) -m arc_dev.fleet_demo --out $(OUT)/demo-fleet
 
-# Everything but tests/e2e, in two steps that together run every other test once, each report
-# printed in turn,
+# Everything, in three steps that together run every test once, each report printed in turn,
 # after the set-up that reaches the package registries (the images tests/images runs are built
 # first: `make images-local`, seconds when nothing changed):
 # 1. the tests marked exclusive (the servers' and the cluster's), one at a time, since they
@@ -60,9 +59,9 @@ demo-fleet: $(STAMP)
 # 2. the server tests (vLLM, Locust, marked slow), two modules at a time, with tests/cluster on
 #    a local control plane (built from Go modules: see cluster/README.md) beside them, since
 #    most of their time is spent waiting on paced replays, alert timers, leases and start-ups
-#    (report: $(OUT)/test-cluster.log).
-# tests/e2e is not part of it: `make e2e` runs it alone (its replays are paced to the engine
-# pods' measured speed, and a replay still loses a request through the ingress at times).
+#    (report: $(OUT)/test-cluster.log);
+# 3. alone, the README's used-by path on the local cluster's real node (tests/e2e, make e2e):
+#    its replays are paced to the engine pods' measured speed, so nothing else may run beside.
 # Each run lists its 15 slowest tests; the target fails if any run failed.
 SERVER_TESTS := vllm or locust or slow
 # Every test process runs in a loopback-only network namespace of its own (cluster/netns.py),
@@ -88,8 +87,10 @@ test: $(STAMP) tools cluster-binaries cluster-crds images-local cluster-images
 	    --ignore=tests/cluster --ignore=tests/e2e --durations=15; server=$$?; \
 	  wait $$cluster; clustered=$$?; \
 	  echo "===== tests/cluster ($(CLUSTER_LOG)) ====="; cat $(CLUSTER_LOG); \
-	  echo "make test: exclusive $$exclusive, no-server $$fasted, server $$server, cluster $$clustered"; \
-	  [ $$exclusive -eq 0 ] && [ $$fasted -eq 0 ] && [ $$server -eq 0 ] && [ $$clustered -eq 0 ]
+	  $(ISOLATED) $(PY) -m pytest tests/e2e --durations=0; e2e=$$?; \
+	  echo "make test: exclusive $$exclusive, no-server $$fasted, server $$server, cluster $$clustered, e2e $$e2e"; \
+	  [ $$exclusive -eq 0 ] && [ $$fasted -eq 0 ] && [ $$server -eq 0 ] && [ $$clustered -eq 0 ] \
+	    && [ $$e2e -eq 0 ]
 
 # The fast tier for a developer's loop: everything that starts no vLLM server, no Locust run
 # and nothing else marked slow, with a tenth of each fuzz target's cases, on every core.

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from cluster import dns, ingress
-from cluster.images import binary_image, image_size
+from cluster.images import binary_image, build_and_report
 from cluster.local import REPO, ClusterError, LocalCluster
 
 GATEWAY_API_CRDS = REPO / "out" / "cluster" / "crds" / "gateway-api"
@@ -141,10 +141,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("command", choices=["kubectl-image"])
     parser.parse_args(argv)
-    started = time.monotonic()
-    built = build_kubectl_image()
-    state = f"built in {time.monotonic() - started:.1f} s" if built else "current"
-    print(f"{KUBECTL_IMAGE}: {state}, {image_size(KUBECTL_IMAGE)}")
+    build_and_report(KUBECTL_IMAGE, build_kubectl_image)
     return 0
 
 

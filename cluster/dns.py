@@ -15,16 +15,13 @@ zones and NXDOMAIN for every other name, at once.
 
 from __future__ import annotations
 
-import argparse
 import ipaddress
-import json
 import sys
-import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from cluster.images import binary_image, image_size
+from cluster.images import addon_main, binary_image
 from cluster.netns import SERVICE_RANGE
 
 REPO = Path(__file__).resolve().parent.parent
@@ -255,22 +252,14 @@ def build_image(binary: Path = COREDNS_BINARY, reference: str = IMAGE) -> bool:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    return addon_main(
+        argv,
         prog="python -m cluster.dns",
-        description="The cluster DNS's image (image) or manifests (manifests, a JSON List).",
+        what="cluster DNS",
+        image=IMAGE,
+        build_image=lambda reference: build_image(reference=reference),
+        manifests=manifests,
     )
-    parser.add_argument("command", choices=["image", "manifests"])
-    parser.add_argument("--image", default=IMAGE, help="the image reference")
-    args = parser.parse_args(argv)
-    if args.command == "manifests":
-        items = manifests(args.image)
-        print(json.dumps({"apiVersion": "v1", "kind": "List", "items": items}, indent=2))
-        return 0
-    started = time.monotonic()
-    built = build_image(reference=args.image)
-    state = f"built in {time.monotonic() - started:.1f} s" if built else "current"
-    print(f"{args.image}: {state}, {image_size(args.image)}")
-    return 0
 
 
 if __name__ == "__main__":

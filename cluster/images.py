@@ -11,11 +11,13 @@ returns.
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import shutil
 import subprocess
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -96,3 +98,36 @@ def image_size(reference: str) -> str:
     """The image's size as buildah reports it ("178 MB")."""
     listed = json.loads(_buildah("images", "--json", reference))
     return str(listed[0]["size"])
+
+
+def build_and_report(reference: str, build: Callable[[], bool]) -> None:
+    """Build an image (``build`` returns whether it had to) and print its state and size."""
+    started = time.monotonic()
+    built = build()
+    state = f"built in {time.monotonic() - started:.1f} s" if built else "current"
+    print(f"{reference}: {state}, {image_size(reference)}")
+
+
+def addon_main(
+    argv: Sequence[str] | None,
+    *,
+    prog: str,
+    what: str,
+    image: str,
+    build_image: Callable[[str], bool],
+    manifests: Callable[[str], list[dict[str, Any]]],
+) -> int:
+    """An add-on's command line: ``image`` builds its image, ``manifests`` prints its objects
+    as a JSON List; ``--image`` names the reference."""
+    parser = argparse.ArgumentParser(
+        prog=prog, description=f"The {what}'s image (image) or manifests (manifests, a JSON List)."
+    )
+    parser.add_argument("command", choices=["image", "manifests"])
+    parser.add_argument("--image", default=image, help="the image reference")
+    args = parser.parse_args(argv)
+    if args.command == "manifests":
+        items = manifests(args.image)
+        print(json.dumps({"apiVersion": "v1", "kind": "List", "items": items}, indent=2))
+    else:
+        build_and_report(args.image, lambda: build_image(args.image))
+    return 0

@@ -17,15 +17,12 @@ Gateway provider waits until it can list GRPCRoutes, ReferenceGrants and Backend
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
-import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from cluster.images import binary_image, image_size
+from cluster.images import addon_main, binary_image
 
 REPO = Path(__file__).resolve().parent.parent
 GO_MOD = REPO / "cluster" / "tools" / "traefik" / "go.mod"
@@ -81,6 +78,9 @@ def traefik_args(
         "--global.sendAnonymousUsage=false",
         "--log.level=INFO",
         "--log.noColor=true",
+        # A line per request, with its status, duration and backend: what a failed replay
+        # request met at the ingress.
+        "--accesslog=true",
     ]
 
 
@@ -280,22 +280,14 @@ def build_image(binary: Path = TRAEFIK_BINARY, reference: str = IMAGE) -> bool:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    return addon_main(
+        argv,
         prog="python -m cluster.ingress",
-        description="The ingress controller's image (image) or manifests (manifests, a JSON List).",
+        what="ingress controller",
+        image=IMAGE,
+        build_image=lambda reference: build_image(reference=reference),
+        manifests=manifests,
     )
-    parser.add_argument("command", choices=["image", "manifests"])
-    parser.add_argument("--image", default=IMAGE, help="the image reference")
-    args = parser.parse_args(argv)
-    if args.command == "manifests":
-        items = manifests(args.image)
-        print(json.dumps({"apiVersion": "v1", "kind": "List", "items": items}, indent=2))
-        return 0
-    started = time.monotonic()
-    built = build_image(reference=args.image)
-    state = f"built in {time.monotonic() - started:.1f} s" if built else "current"
-    print(f"{args.image}: {state}, {image_size(args.image)}")
-    return 0
 
 
 if __name__ == "__main__":

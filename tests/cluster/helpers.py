@@ -384,14 +384,9 @@ def configured_policy(kube: Kube, ns: str, name: str) -> dict[str, Any] | None:
     return None if configmap is None else json.loads(configmap["data"]["policy.json"])
 
 
-def ready_pods(kube: Kube, ns: str, name: str) -> list[dict[str, Any]]:
-    pods = kube.get(
-        "pods",
-        "-n",
-        ns,
-        "-l",
-        f"arcserving.io/servingpolicy={name},app.kubernetes.io/component=serving",
-    )
+def ready_pods_matching(kube: Kube, ns: str, selector: str) -> list[dict[str, Any]]:
+    """The pods of ``selector`` in ``ns`` that are Ready and not being deleted."""
+    pods = kube.get("pods", "-n", ns, "-l", selector)
     return [
         p
         for p in (pods or {}).get("items", [])
@@ -401,6 +396,12 @@ def ready_pods(kube: Kube, ns: str, name: str) -> list[dict[str, Any]]:
             for c in p.get("status", {}).get("conditions", [])
         )
     ]
+
+
+def ready_pods(kube: Kube, ns: str, name: str) -> list[dict[str, Any]]:
+    """The ServingPolicy ``name``'s vLLM pods that are Ready."""
+    selector = f"arcserving.io/servingpolicy={name},app.kubernetes.io/component=serving"
+    return ready_pods_matching(kube, ns, selector)
 
 
 def patch(kube: Kube, ns: str, name: str, spec: dict[str, Any]) -> None:

@@ -49,7 +49,7 @@ from cluster.dns import (
 from cluster.local import LocalCluster
 from cluster.netns import SERVICE_RANGE
 from tests.cluster.helpers import REPO, START_TIMEOUT_S, Kube, wait_for
-from tests.images.containers import Bind, Container, runner_missing
+from tests.images.containers import Bind, Container, skip_unless_runnable
 
 pytestmark = pytest.mark.slow
 
@@ -156,11 +156,7 @@ def server(request: pytest.FixtureRequest, kube: Kube) -> Iterator[Server]:
             process.terminate()
             process.wait(timeout=30)
         return
-    missing = runner_missing()
-    if missing:
-        pytest.skip(f"cannot run images here: {missing}")
-    if subprocess.run(["buildah", "inspect", IMAGE], capture_output=True).returncode != 0:
-        pytest.skip(f"no {IMAGE} here: `make cluster-images` builds it")
+    skip_unless_runnable(IMAGE, "make cluster-images")
     port, ready = _config(kube, folder, Path("/etc/coredns/kubeconfig"), IMAGE_USER)
     container = Container(
         IMAGE,

@@ -57,7 +57,7 @@ from tests.cluster.helpers import (
     audit_offset,
     wait_for,
 )
-from tests.images.containers import Bind, Container, runner_missing
+from tests.images.containers import Bind, Container, skip_unless_runnable
 
 pytestmark = pytest.mark.slow
 
@@ -319,11 +319,7 @@ def traefik(request: pytest.FixtureRequest, setup: Setup, routes: str) -> Iterat
             process.terminate()
             process.wait(timeout=30)
         return
-    missing = runner_missing()
-    if missing:
-        pytest.skip(f"cannot run images here: {missing}")
-    if subprocess.run(["buildah", "inspect", IMAGE], capture_output=True).returncode != 0:
-        pytest.skip(f"no {IMAGE} here: `make cluster-images` builds it")
+    skip_unless_runnable(IMAGE, "make cluster-images")
     _kubeconfig(setup.kube, folder, IMAGE_USER)
     container = Container(
         IMAGE,

@@ -26,7 +26,7 @@ if str(REPO) not in sys.path:
 
 from cluster import addons  # noqa: E402
 from cluster.local import LocalCluster  # noqa: E402
-from tests.cluster.helpers import Kube, wait_for  # noqa: E402
+from tests.cluster.helpers import Kube, ready_pods_matching, wait_for  # noqa: E402
 
 OUT = REPO / "out" / "e2e"
 BUILT_IMAGES = REPO / "out" / "images" / "built.json"
@@ -108,23 +108,27 @@ def cluster(figures: dict[str, Any]) -> Iterator[LocalCluster]:
 @pytest.fixture(scope="session")
 def kube(cluster: LocalCluster) -> Iterator[Kube]:
     """kubectl and helm on the cluster; at the end, what a failure would need read is kept in
-    OUT/state: every object of every namespace, the events and each pod's logs."""
+    OUT/state."""
     client = Kube(cluster, cluster.kubeconfig)
     yield client
-    state = OUT / "state"
-    shutil.rmtree(state, ignore_errors=True)
-    state.mkdir(parents=True)
+    keep_state(client, OUT / "state")
+
+
+def keep_state(kube: Kube, folder: Path) -> None:
+    """Every object of every namespace, the events and each pod's logs, into ``folder``."""
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
     kinds = "all,configmaps,servingpolicies,ingresses,jobs,events"
-    listed = client.run("get", kinds, "-A", "-o", "yaml", check=False)
-    (state / "objects.yaml").write_text(listed.stdout + listed.stderr)
-    pods = (client.get("pods", "-A") or {}).get("items", [])
+    listed = kube.run("get", kinds, "-A", "-o", "yaml", check=False)
+    (folder / "objects.yaml").write_text(listed.stdout + listed.stderr)
+    pods = (kube.get("pods", "-A") or {}).get("items", [])
     for pod in pods:
         meta = pod["metadata"]
-        logs = client.run(
+        logs = kube.run(
             "logs", meta["name"], "-n", meta["namespace"], "--all-containers", "--prefix",
             check=False,
         )  # fmt: skip
-        (state / f"{meta['namespace']}.{meta['name']}.log").write_text(logs.stdout + logs.stderr)
+        (folder / f"{meta['namespace']}.{meta['name']}.log").write_text(logs.stdout + logs.stderr)
 
 
 @pytest.fixture(scope="session")
@@ -150,18 +154,10 @@ def model_path(model_dir: Path) -> Path:
 
 
 def wait_ready(kube: Kube, namespace: str, selector: str, count: int, timeout: float) -> list[Any]:
-    """The pods matching ``selector`` once ``count`` of them are Ready."""
+    """The pods matching ``selector`` once ``count`` of them are Ready (none being deleted)."""
 
     def ready() -> list[Any] | None:
-        pods = (kube.get("pods", "-n", namespace, "-l", selector) or {}).get("items", [])
-        done = [
-            p
-            for p in pods
-            if any(
-                c["type"] == "Ready" and c["status"] == "True"
-                for c in p.get("status", {}).get("conditions", [])
-            )
-        ]
-        return done if len(done) >= count else None
+        pods = ready_pods_matching(kube, namespace, selector)
+        return pods if len(pods) >= count else None
 
     return wait_for(f"{count} Ready pods {selector} in {namespace}", ready, timeout=timeout)

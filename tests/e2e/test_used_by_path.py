@@ -19,8 +19,6 @@ import os
 import signal
 import subprocess
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -30,9 +28,9 @@ import pytest
 import yaml
 
 from arc_dev.fleet_demo import CONVERSATION, Figures, Routing, predict
-from arc_dev.pacing import Pace, measure_cost, pace
+from arc_dev.pacing import Pace, measure_cost, pace, warm_up
 from arc_dev.snapshot import snapshot
-from arc_harness.fleet import parse_metrics
+from arc_harness.fleet import ReplicaStats, http_request, replica_stats, reset_prefix_cache
 from arc_harness.prometheus import (
     PodDiscovery,
     PrometheusServer,
@@ -40,11 +38,12 @@ from arc_harness.prometheus import (
     pod_monitor_discovery_job,
 )
 from arc_loadtest.replay import SUMMARY_LOG_PREFIX
+from arc_operator import FIELD_MANAGER
 from arc_serving_common.traces import TraceRequest, load_trace
 from arc_simulator.generate import conversation, write_generated
 from arc_simulator.simulate import CostModel
 from tests.cluster.helpers import CHART, REPO, Kube, apply_monitoring_crds, wait_for
-from tests.e2e.conftest import OUT, wait_ready
+from tests.e2e.conftest import OUT, keep_state, wait_ready
 
 # Marked slow and vllm too, so that no other tier selects them: make e2e runs them.
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.vllm]
@@ -98,21 +97,6 @@ def shown(
         out.writelines(f"{line}\n" for line in printed[-keep:])
         out.write("\n")
     return result
-
-
-def request(
-    url: str, body: Any = None, headers: dict[str, str] | None = None, timeout: float = 60
-) -> tuple[int, str]:
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(
-        url, data=data, headers={"Content-Type": "application/json", **(headers or {})}
-    )
-    try:
-        # Every URL here is a Service or pod address inside the test's own network namespace.
-        with urllib.request.urlopen(req, timeout=timeout) as answer:  # nosec B310
-            return answer.status, answer.read().decode()
-    except urllib.error.HTTPError as error:
-        return error.code, error.read().decode()
 
 
 @dataclass(frozen=True)
@@ -235,11 +219,11 @@ def release(
         # An image older than the CRD refuses the spec: say so now, not at the deadline.
         assert sp.get("status", {}).get("phase") != "Invalid", sp.get("status")
         try:
-            status, _ = request(
+            status, _ = http_request(
                 f"{ingress_url}/v1/completions",
                 {"model": SERVED_MODEL, "prompt": "the cache keeps", "max_tokens": 4},
                 found.headers,
-                timeout=30,
+                timeout_s=30,
             )
         except OSError:
             return False
@@ -261,43 +245,14 @@ def pod_url(pod: dict[str, Any]) -> str:
     return f"http://{pod['status']['podIP']}:8000"
 
 
-@dataclass(frozen=True)
-class Counters:
-    """One engine pod's counters (None where the pod did not answer)."""
-
-    policy: str | None = None
-    requests: float = 0.0
-    block_queries: float = 0.0
-    block_hits: float = 0.0
-
-
-def counters(pod: dict[str, Any]) -> Counters | None:
-    try:
-        status, text = request(f"{pod_url(pod)}/metrics", timeout=10)
-    except OSError:
-        return None
-    if status != 200:
-        return None
-    samples = parse_metrics(text)
-
-    def total(name: str) -> float:
-        return sum(value for _, value in samples.get(name, []))
-
-    active = [
-        labels["policy"] for labels, value in samples.get("arc_evictor_policy_info", []) if value
-    ]
-    return Counters(
-        active[0] if active else None,
-        total("vllm:request_success_total"),
-        total("arc_evictor_block_queries_total"),
-        total("arc_evictor_block_hits_total"),
-    )
+def counters(pod: dict[str, Any]) -> ReplicaStats:
+    """The engine pod's counters now (all None when it does not answer)."""
+    return replica_stats(pod_url(pod))
 
 
 def reported_policy(pod: dict[str, Any]) -> str | None:
     """The policy the pod's plugin reports on /metrics (arc_evictor_policy_info)."""
-    read = counters(pod)
-    return read.policy if read else None
+    return counters(pod).policy
 
 
 def restarts(pod: dict[str, Any]) -> int:
@@ -307,15 +262,7 @@ def restarts(pod: dict[str, Any]) -> int:
 def reset_caches(release: Release, pods: list[dict[str, Any]]) -> None:
     """Empty each pod's prefix cache and its policy's state (vLLM's dev-mode endpoint)."""
     for pod in pods:
-
-        def reset(pod: dict[str, Any] = pod) -> bool:
-            status, body = request(
-                f"{pod_url(pod)}/reset_prefix_cache", {}, release.headers, timeout=30
-            )
-            # vLLM refuses while blocks are held by a request still finishing.
-            return status == 200 and json.loads(body or "{}").get("success", True)
-
-        wait_for(f"{pod['metadata']['name']} to empty its prefix cache", reset, timeout=60)
+        reset_prefix_cache(pod_url(pod), release.headers, timeout_s=60)
 
 
 def complete_on(pod: dict[str, Any], release: Release) -> Any:
@@ -324,7 +271,7 @@ def complete_on(pod: dict[str, Any], release: Release) -> Any:
             "model": SERVED_MODEL, "prompt": prompt, "max_tokens": max_tokens,
             "min_tokens": max_tokens, "ignore_eos": True, "temperature": 0.0,
         }  # fmt: skip
-        status, text = request(f"{pod_url(pod)}/v1/completions", body, release.headers)
+        status, text = http_request(f"{pod_url(pod)}/v1/completions", body, release.headers)
         assert status == 200, text
 
     return complete
@@ -361,6 +308,14 @@ def trace(kube: Kube, release: Release, model_path: Path, figures: dict[str, Any
 
     wait_for("the ServingPolicy Ready, router included", router_ready, timeout=300)
     prompt_tokens = max(sum(r.input_length for r in requests) // len(requests), 2 * BLOCK_TOKENS)
+    # A fresh vLLM CPU server serves its first prompts of a length several times slower
+    # (arc_dev.pacing.warm_up): a cold pod would look busy to the router's load term in the
+    # first replay and be passed over. measure_cost warms the pod it times itself.
+    longest = max(r.input_length for r in requests)
+    for pod in pods:
+        complete_on(pod, release)([4 + i % 1000 for i in range(longest)], 4)
+    for pod in pods[1:]:
+        warm_up(complete_on(pod, release), prompt_tokens)
     cost = measure_cost(complete_on(pods[0], release), prompt_tokens).cost_model()
     replay = pace(requests, cost, 0.0, servers=REPLICAS, utilization=UTILIZATION)
     figures["trace"] = {
@@ -533,6 +488,8 @@ def test_policy_switched_live_then_the_locust_job_replays_through_the_ingress(
     job = start_load_test(kube, trace, f"replay-{policy.lower()}", policy)
     run = finished_load_test(kube, job, JOB_START_S + trace.replay.deadline_s())
     summary = run.summary
+    if not run.succeeded:
+        keep_state(kube, OUT / f"state-{job}")
     assert run.succeeded, summary
     assert summary["requests_ok"] == summary["requests_planned"] == len(trace.requests)
     assert summary["requests_failed"] == 0 and not summary["stopped_early"]
@@ -540,7 +497,9 @@ def test_policy_switched_live_then_the_locust_job_replays_through_the_ingress(
     queries = hits = 0.0
     for name, start in before.items():
         end = after[name]
-        assert start is not None and end is not None, name
+        assert start.up and end.up, name
+        assert start.block_queries is not None and end.block_queries is not None, name
+        assert start.block_hits is not None and end.block_hits is not None, name
         queries += end.block_queries - start.block_queries
         hits += end.block_hits - start.block_hits
     measured = hits / queries
@@ -600,11 +559,11 @@ def test_an_engine_pod_deleted_mid_replay(
     """The replay reports the requests that failed, the Deployment replaces the pod, the router
     sends traffic to the new one."""
     pods = engine_pods(kube)
-    answered = sum(c.requests for p in pods if (c := counters(p)))
+    answered = sum(counters(p).requests or 0 for p in pods)
     job = start_load_test(kube, trace, "fault-engine", "TRIO")
 
     def under_way() -> bool:
-        now = sum(c.requests for p in pods if (c := counters(p)))
+        now = sum(counters(p).requests or 0 for p in pods)
         return now >= answered + 5
 
     wait_for("the replay to be under way", under_way, timeout=JOB_START_S)
@@ -631,18 +590,18 @@ def test_an_engine_pod_deleted_mid_replay(
         p for p in replaced if p["metadata"]["name"] not in {q["metadata"]["name"] for q in pods}
     ]
     served = counters(new)
-    assert served is not None
+    assert served.requests is not None
 
     def new_pod_serves() -> bool:
-        status, _ = request(
+        status, _ = http_request(
             f"{release.ingress_url}/v1/completions",
             {"model": SERVED_MODEL, "prompt": f"turn {time.monotonic()}", "max_tokens": 2},
             release.headers,
         )
         # Until the router has the new pod's address, the gateway answers for the old one.
         assert status in (200, 502, 503, 504), status
-        now = counters(new)
-        return now is not None and now.requests > served.requests
+        now = counters(new).requests
+        return now is not None and now > served.requests
 
     wait_for("a request through the ingress answered by the new pod", new_pod_serves, timeout=300)
 
@@ -665,12 +624,20 @@ def operator_processes(pod: dict[str, Any]) -> list[int]:
     return found
 
 
-def children(kube: Kube) -> dict[str, tuple[str, int | None]]:
-    listed = kube.get(CHILD_KINDS, "-n", NAMESPACE, "-l", f"{POLICY_LABEL}={NAME}") or {}
+def children(kube: Kube) -> dict[str, tuple[int | None, list[tuple[str, str]]]]:
+    """Each child's generation and what the operator last wrote to it (its managedFields
+    entries: when, and which subresource). Not the resourceVersion: the Deployment
+    controller's status updates change that without the operator."""
+    selector = f"{POLICY_LABEL}={NAME}"
+    listed = kube.get(CHILD_KINDS, "-n", NAMESPACE, "-l", selector, "--show-managed-fields") or {}
     return {
         f"{o['kind']}/{o['metadata']['name']}": (
-            o["metadata"]["resourceVersion"],
             o["metadata"].get("generation"),
+            sorted(
+                (entry.get("subresource", ""), entry["time"])
+                for entry in o["metadata"].get("managedFields", [])
+                if entry["manager"] == FIELD_MANAGER
+            ),
         )
         for o in listed.get("items", [])
     }
@@ -683,6 +650,7 @@ def test_the_operators_container_killed_is_restarted_and_changes_nothing(
     before_children = children(kube)
     before_pods = {p["metadata"]["name"]: restarts(p) for p in engine_pods(kube)}
     assert len(before_children) >= 8, before_children
+    assert all(written for _, written in before_children.values()), before_children
     processes = operator_processes(operator)
     assert processes, "no process of the operator's container found on the node"
     killed = time.monotonic()

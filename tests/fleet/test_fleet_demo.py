@@ -76,7 +76,7 @@ def test_every_routing_and_eviction_pair_is_measured_and_predicted(
     demo_run: tuple[Path, dict[str, Any]],
 ) -> None:
     out, report = demo_run
-    pairs = [(r, e) for r in ROUTING for e in EVICTION]
+    pairs = [(r, e) for r in (*ROUTING, fleet_demo.ONE_CACHE) for e in EVICTION]
     assert [(run["routing"], run["eviction"]) for run in report["runs"]] == pairs
     assert [(p["routing"], p["eviction"]) for p in report["predictions"]] == pairs
     table = (out / "fleet.md").read_text()
@@ -84,17 +84,40 @@ def test_every_routing_and_eviction_pair_is_measured_and_predicted(
         assert re.search(rf"^\| {routing} \| {eviction} \|", table, re.MULTILINE), table
 
 
-def test_every_run_answers_the_whole_trace_on_two_replicas(
+def test_every_run_answers_the_whole_trace_on_two_replicas_or_one_big_cache(
     demo_run: tuple[Path, dict[str, Any]],
 ) -> None:
     out, report = demo_run
     planned = len(load_trace(out / "mixed.jsonl", block_tokens=fleet_demo.BLOCK_TOKENS))
     for figures in report["runs"] + report["predictions"]:
         assert figures["requests"] == planned, figures
-        assert len(figures["shares"]) == fleet_demo.REPLICAS
+        one_cache = figures["routing"] == fleet_demo.ONE_CACHE
+        assert len(figures["shares"]) == (1 if one_cache else fleet_demo.REPLICAS)
         assert sum(figures["shares"]) == pytest.approx(1.0)
         assert 0 <= figures["block_hits"] <= figures["block_queries"]
         assert 0.0 <= figures["block_hit_rate"] <= 1.0
+
+
+def test_each_routed_run_reports_what_it_keeps_of_one_big_cache(
+    demo_run: tuple[Path, dict[str, Any]],
+) -> None:
+    """One server of both replicas' blocks replays the same trace at the same pace; every row
+    divides its hit rate by that run's (same eviction policy). Splitting each conversation
+    over two caches at random, round robin keeps least of it."""
+    out, report = demo_run
+    one = {r["eviction"]: r for r in report["runs"] if r["routing"] == fleet_demo.ONE_CACHE}
+    assert set(one) == set(EVICTION)
+    for run in report["runs"]:
+        best = one[run["eviction"]]["block_hit_rate"]
+        assert run["of_one_cache"] == pytest.approx(run["block_hit_rate"] / best)
+        if run["routing"] == "round_robin":
+            assert run["block_hit_rate"] < best, (run, best)
+    log = (out / "one-cache" / "server-0.log").read_text(errors="replace")
+    capacity = fleet_demo.CAPACITY_BLOCKS * fleet_demo.REPLICAS
+    # The plugin's own start-up line: vLLM's pool, its null block included.
+    assert f"arc_evictor: block pool of {capacity + 1} blocks" in log, log[-3000:]
+    assert re.search(r"^\| one_cache \| trio \| .* \| 1\.00 \|", (out / "fleet.md").read_text(),
+                     re.MULTILINE)  # fmt: skip
 
 
 def test_every_run_reports_how_busy_the_replicas_were(

@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 BUILT = REPO / "out" / "images" / "built.json"
 # runc's state for these containers only, apart from any other runc user on the machine.
@@ -44,6 +46,15 @@ def runner_missing() -> str | None:
     if os.geteuid() != 0:
         return "running images with runc needs root"
     return None
+
+
+def skip_unless_runnable(image: str, built_by: str) -> None:
+    """Skip the test, saying why, where images cannot run here or ``image`` is not built."""
+    missing = runner_missing()
+    if missing:
+        pytest.skip(f"cannot run images here: {missing}")
+    if subprocess.run(["buildah", "inspect", image], capture_output=True).returncode != 0:
+        pytest.skip(f"no {image} here: `{built_by}` builds it")
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -81,6 +82,25 @@ def test_replay_answers_every_request_as_the_trace_says(
     # The same summary as one JSON log line, for runs whose files nobody can fetch (a Job).
     (logged,) = [line for line in run.log.splitlines() if SUMMARY_LOG_PREFIX in line]
     assert json.loads(logged.split(SUMMARY_LOG_PREFIX, 1)[1]) == run.summary
+
+
+def test_each_stream_is_read_to_its_end_and_its_connection_reused(
+    server: VllmServer, model_dir: Path, tmp_path: Path
+) -> None:
+    """uvicorn's access log names each request's client port: the replay's connections carry
+    several requests each. A client that closed its connection after [DONE], before the body's
+    end, would open one per request, and a proxy in front would drop its own connection to the
+    server each time."""
+    records = conversation_records(sessions=2, turns=4, block_tokens=BLOCK_TOKENS)
+    trace = write_lines(tmp_path / "conversation.jsonl", records)
+    assert server.log_path is not None
+    start = server.log_path.stat().st_size
+    run = replay(server, trace, out_dir=tmp_path / "out", time_scale=0.5, tokenizer=model_dir)
+    assert run.exit_code == 0, run.log[-3000:]
+    log = server.log_path.read_bytes()[start:].decode(errors="replace")
+    ports = re.findall(r'127\.0\.0\.1:(\d+) - "POST /v1/completions HTTP/1\.1" 200', log)
+    assert len(ports) == len(records), log[-3000:]
+    assert len(set(ports)) < len(records), ports
 
 
 def test_session_turns_are_sent_after_the_previous_answer(

@@ -16,7 +16,12 @@ Steps (each printed with its wall time):
    kv_aware:temperature=0,cache_aware:cache-threshold=0.5``, see ``parse_routing``); for each
    eviction policy the plugin switches live, every prefix cache is emptied, and the real
    Locust replays the whole trace through the router (``X-Session-ID`` on every request).
-4. Print one table (measured next to predicted) and write it as ``fleet.md`` and
+4. One big cache: the fleet stops and one server holding both servers' cache (twice the
+   blocks) takes its place behind the router; each eviction policy replays the same trace at
+   the same pace through it, as the ``one_cache`` row (predicted as one replica of twice the
+   capacity). What a routed fleet keeps of it is every routed row's measured ``of one
+   cache``: its block hit rate over this row's, same eviction policy.
+5. Print one table (measured next to predicted) and write it as ``fleet.md`` and
    ``fleet.json`` under ``--out``: the summed block hit rate (the plugin's block counters over
    both replicas), TTFT p50/p90 (Locust), each replica's share of requests (vLLM's request
    counter; the table lists the shares largest first, the JSON in server order), the mean
@@ -137,6 +142,8 @@ COST = CostModel(
     prefill_seconds_per_token=0.22e-3, decode_seconds_per_token=0.008, step_seconds=0.02
 )
 PORT_BASE = 27400
+# The routing label of the run on one server holding both replicas' caches.
+ONE_CACHE = "one_cache"
 # A router that draws is predicted over this many seeds: one draw of the model is one sample
 # of a run, and on this trace the draws of kv_aware at temperature 1 spread the hit rate by
 # 2 points (standard deviation) around their mean.
@@ -471,6 +478,18 @@ def predict(
     return predictions
 
 
+def predict_one_cache(
+    requests: Sequence[TraceRequest], eviction: Sequence[str], capacity: int, cost: CostModel
+) -> list[Figures]:
+    """The simulator's one replica holding ``REPLICAS`` replicas' ``capacity``, per policy."""
+    return [
+        _mean_figures(ONE_CACHE, policy, [simulate_fleet(
+            requests, policy, capacity * REPLICAS, 1, "round_robin", sequential=False, cost=cost
+        )[0]])
+        for policy in eviction
+    ]  # fmt: skip
+
+
 def _mean(values: Sequence[float | None]) -> float | None:
     present = [value for value in values if value is not None]
     return statistics.fmean(present) if present else None
@@ -545,6 +564,7 @@ HEADER = [
     "requests",
     "block hit",
     "sim hit",
+    "of one cache",
     "TTFT p50 ms",
     "TTFT p90 ms",
     "sim TTFT p50 ms",
@@ -555,11 +575,22 @@ HEADER = [
 ]
 
 
+def of_one_cache(runs: Sequence[Figures]) -> list[float | None]:
+    """Each run's block hit rate over the ``one_cache`` run's of the same eviction policy
+    (None where that run or a rate is missing)."""
+    one = {run.eviction: run.block_hit_rate for run in runs if run.routing == ONE_CACHE}
+    shares = []
+    for run in runs:
+        best, rate = one.get(run.eviction), run.block_hit_rate
+        shares.append(rate / best if rate is not None and best else None)
+    return shares
+
+
 def table_rows(runs: Sequence[Figures], predictions: Sequence[Figures]) -> list[list[str]]:
     """One row per measured pair, the simulator's figures for the same pair beside it."""
     predicted = {(p.routing, p.eviction): p for p in predictions}
     rows = []
-    for run in runs:
+    for run, kept in zip(runs, of_one_cache(runs), strict=True):
         sim = predicted.get((run.routing, run.eviction))
         rows.append(
             [
@@ -568,6 +599,7 @@ def table_rows(runs: Sequence[Figures], predictions: Sequence[Figures]) -> list[
                 f"{run.requests}",
                 _rate(run.block_hit_rate),
                 _predicted_rate(sim),
+                "-" if kept is None else f"{kept:.2f}",
                 _ms(run.ttft_p50_s),
                 _ms(run.ttft_p90_s),
                 _ms(sim.ttft_p50_s if sim else None),
@@ -830,12 +862,22 @@ def write_reports(
             "cost_model": asdict(cost),
             "model": MODEL,
         },
-        "runs": [asdict(run) | {"block_hit_rate": run.block_hit_rate} for run in runs],
+        "runs": [
+            asdict(run) | {"block_hit_rate": run.block_hit_rate, "of_one_cache": kept}
+            for run, kept in zip(runs, of_one_cache(runs), strict=True)
+        ],
         "predictions": [asdict(p) | {"block_hit_rate": p.block_hit_rate} for p in predictions],
         "seconds": seconds,
     }
     (out / "fleet.json").write_text(json.dumps(report, indent=2) + "\n")
     return text_table(HEADER, rows)
+
+
+def warm_long_prompts(fleet: Fleet) -> None:
+    """The first long prompts of a server process are slower: send each server two."""
+    for server in fleet.servers:
+        for length in (1_500, 500):
+            fleet.complete([4 + i % 1000 for i in range(length)], 4, url=server.url)
 
 
 def pace_to_fleet(
@@ -847,9 +889,7 @@ def pace_to_fleet(
     The pace assumes no hit at all (round robin on this trace gets few), so no routing's run
     overloads the replicas; ``--time-scale`` overrides the speed only.
     """
-    for server in fleet.servers:  # the first long prompts of a process are slower
-        for length in (1_500, 500):
-            fleet.complete([4 + i % 1000 for i in range(length)], 4, url=server.url)
+    warm_long_prompts(fleet)
     prompt_tokens = max(sum(r.input_length for r in requests) // len(requests), 2 * BLOCK_TOKENS)
     first, *others = fleet.servers
     for server in others:  # measure_cost warms the first up itself
@@ -875,6 +915,13 @@ def pace_to_fleet(
                           cost, settings.port_base)  # fmt: skip
     clock.step("simulator predictions at that pace done")
     return chosen, cost, predictions
+
+
+def describe_run(run: Figures) -> str:
+    return (
+        f"{run.routing}/{run.eviction}: block hit {_rate(run.block_hit_rate)}, TTFT p50 "
+        f"{_ms(run.ttft_p50_s)} ms, shares {_shares(run.shares)} ({run.seconds:.0f} s)"
+    )
 
 
 def _router_args(routing: Routing, record: bool) -> list[str]:
@@ -909,6 +956,7 @@ def run_demo(settings: FleetDemoSettings) -> int:
                   for r in requests]  # fmt: skip
         predictions = predict(scaled, settings.routing, settings.eviction, settings.capacity_blocks,
                               port_base=settings.port_base)  # fmt: skip
+        predictions += predict_one_cache(scaled, settings.eviction, settings.capacity_blocks, COST)
         header = ["routing", "eviction", "sim hit", "sim TTFT p50 ms", "sim TTFT p90 ms",
                   "sim shares"]  # fmt: skip
         rows = [[p.routing, p.eviction, _predicted_rate(p), _ms(p.ttft_p50_s),
@@ -917,6 +965,8 @@ def run_demo(settings: FleetDemoSettings) -> int:
         return 0
     model_dir = build_tiny_llama(out / "model", **MODEL)
     record = settings.record_decisions
+    # Each request's cached prompt tokens in its answer: what the decisions record serves.
+    server_args = ["--enable-prompt-tokens-details"] if record else []
     fleet = Fleet(
         model_dir,
         work_dir=out / "fleet",
@@ -925,9 +975,19 @@ def run_demo(settings: FleetDemoSettings) -> int:
         eviction=settings.eviction[0],
         capacity_blocks=settings.capacity_blocks,
         port_base=settings.port_base,
-        # Each request's cached prompt tokens in its answer: what the decisions record serves.
-        server_args=["--enable-prompt-tokens-details"] if record else [],
+        server_args=server_args,
         router_args=_router_args(settings.routing[0], record),
+    )
+    # Started once the fleet has stopped, on the same ports.
+    one_cache = Fleet(
+        model_dir,
+        work_dir=out / "one-cache",
+        replicas=1,
+        policy="round_robin",
+        eviction=settings.eviction[0],
+        capacity_blocks=settings.capacity_blocks * REPLICAS,
+        port_base=settings.port_base,
+        server_args=server_args,
     )
     runs: list[Figures] = []
     try:
@@ -940,40 +1000,54 @@ def run_demo(settings: FleetDemoSettings) -> int:
             scaled = [
                 replace(r, timestamp_s=r.timestamp_s * replay_pace.time_scale) for r in requests
             ]
+            predictions += predict_one_cache(
+                scaled, settings.eviction, settings.capacity_blocks, cost
+            )
             recorder = (
                 DecisionRecorder.for_fleet(fleet, scaled, model_dir, settings) if record else None
             )
+
+            def replay(
+                on: Fleet, routing: str, eviction: str, recording: DecisionRecorder | None = None
+            ) -> None:
+                run = replay_pair(
+                    on,
+                    routing,
+                    eviction,
+                    trace_path,
+                    out,
+                    tokenizer=model_dir,
+                    time_scale=replay_pace.time_scale,
+                    run_time_s=replay_pace.deadline_s(),
+                    total=len(requests),
+                    scheduled_s=replay_pace.duration_s,
+                    clock=clock,
+                    record=recording,
+                )
+                runs.append(run)
+                clock.step(describe_run(run))
+
             for routing in settings.routing:
                 args = _router_args(routing, record)
                 if (fleet.router.policy, fleet.router.extra_args) != (routing.policy, args):
                     fleet.router.restart(routing.policy, args)
                 for eviction in settings.eviction:
-                    run = replay_pair(
-                        fleet,
-                        routing.label,
-                        eviction,
-                        trace_path,
-                        out,
-                        tokenizer=model_dir,
-                        time_scale=replay_pace.time_scale,
-                        run_time_s=replay_pace.deadline_s(),
-                        total=len(requests),
-                        scheduled_s=replay_pace.duration_s,
-                        clock=clock,
-                        record=(
-                            replace(recorder, routing=routing)
-                            if recorder and routing.policy == "kv_aware"
-                            else None
-                        ),
+                    recording = (
+                        replace(recorder, routing=routing)
+                        if recorder and routing.policy == "kv_aware"
+                        else None
                     )
-                    runs.append(run)
-                    clock.step(
-                        f"{routing.label}/{eviction}: block hit {_rate(run.block_hit_rate)}, "
-                        f"TTFT p50 {_ms(run.ttft_p50_s)} ms, shares "
-                        f"{_shares(run.shares)} ({run.seconds:.0f} s)"
-                    )
+                    replay(fleet, routing.label, eviction, recording)
+        with one_cache:
+            clock.step(
+                f"one big cache up: one server of {settings.capacity_blocks * REPLICAS} blocks "
+                f"{one_cache.servers[0].url} behind the router (logs {one_cache.work_dir})"
+            )
+            warm_long_prompts(one_cache)
+            for eviction in settings.eviction:
+                replay(one_cache, ONE_CACHE, eviction)
     except (VllmServerError, FleetError, FleetDemoError) as exc:
-        print(f"error: {exc}\nlogs: {fleet.work_dir}", file=sys.stderr)
+        print(f"error: {exc}\nlogs: {out}", file=sys.stderr)
         return 1
     table = write_reports(out, settings, runs, predictions, clock.elapsed(), replay_pace, cost)
     clock.step(f"done; {out / 'fleet.md'}, {out / 'fleet.json'}")

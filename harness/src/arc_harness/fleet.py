@@ -107,13 +107,14 @@ class FleetError(RuntimeError):
     """A fleet component did not start, answer or switch; the message says which and why."""
 
 
-def _http(
+def http_request(
     url: str,
     body: dict[str, Any] | None = None,
     headers: dict[str, str] | None = None,
     timeout_s: float = 120.0,
 ) -> tuple[int, bytes]:
-    """GET (or POST ``body`` as JSON); returns status and body, HTTP errors included."""
+    """GET (or POST ``body`` as JSON); returns status and body, HTTP errors included.
+    Raises ``OSError`` (``urllib.error.URLError``) when nothing answers."""
     data = None if body is None else json.dumps(body).encode()
     request = urllib.request.Request(
         url,
@@ -122,7 +123,8 @@ def _http(
         headers={"Content-Type": "application/json"} | (headers or {}),
     )
     try:
-        # Every URL here is the fleet's own http://127.0.0.1:PORT, never user input.
+        # Every URL here is a server of this machine's own (the fleet's http://127.0.0.1:PORT,
+        # a local cluster's pod), never user input.
         with urllib.request.urlopen(request, timeout=timeout_s) as response:  # nosec B310
             return response.status, response.read()
     except urllib.error.HTTPError as error:
@@ -166,6 +168,53 @@ class ReplicaStats:
     @property
     def up(self) -> bool:
         return self.requests is not None
+
+
+def replica_stats(url: str, index: int = 0, headers: dict[str, str] | None = None) -> ReplicaStats:
+    """The counters of the vLLM server at ``url`` now; all-None fields when it does not
+    answer."""
+    try:
+        status, body = http_request(url + "/metrics", headers=headers, timeout_s=10)
+    except OSError:
+        return ReplicaStats(index, url)
+    if status != 200:
+        return ReplicaStats(index, url)
+    samples = parse_metrics(body.decode())
+    active = [
+        labels.get("policy")
+        for labels, value in samples.get("arc_evictor_policy_info", [])
+        if value == 1
+    ]
+    return ReplicaStats(
+        index,
+        url,
+        query_tokens=_total(samples, "vllm:prefix_cache_queries_total"),
+        hit_tokens=_total(samples, "vllm:prefix_cache_hits_total"),
+        requests=_total(samples, "vllm:request_success_total"),
+        block_queries=_total(samples, "arc_evictor_block_queries_total"),
+        block_hits=_total(samples, "arc_evictor_block_hits_total"),
+        policy=active[0] if active else None,
+    )
+
+
+def reset_prefix_cache(
+    url: str, headers: dict[str, str] | None = None, timeout_s: float = RESET_TIMEOUT_S
+) -> None:
+    """Empty the prefix cache (and the plugin's policy state) of the vLLM server at ``url``
+    (``POST /reset_prefix_cache``, served in dev mode); raises ``FleetError`` when it still
+    refuses after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        status, body = http_request(url + "/reset_prefix_cache", {}, headers)
+        # vLLM refuses while blocks are held (a request still finishing): retry.
+        if status == 200 and json.loads(body or b"{}").get("success", True):
+            return
+        if time.monotonic() > deadline:
+            raise FleetError(
+                f"{url} refused to reset its prefix cache for {timeout_s:.0f}s "
+                f"(HTTP {status}: {body[:200]!r})"
+            )
+        time.sleep(0.5)
 
 
 class FleetServer(VllmServer):
@@ -248,28 +297,7 @@ class FleetServer(VllmServer):
 
     def stats(self) -> ReplicaStats:
         """The counters now; a server that does not answer gives all-None fields."""
-        try:
-            status, body = _http(self.url + "/metrics", headers=self.auth_headers, timeout_s=10)
-        except (urllib.error.URLError, OSError):
-            return ReplicaStats(self.index, self.url)
-        if status != 200:
-            return ReplicaStats(self.index, self.url)
-        samples = parse_metrics(body.decode())
-        active = [
-            labels.get("policy")
-            for labels, value in samples.get("arc_evictor_policy_info", [])
-            if value == 1
-        ]
-        return ReplicaStats(
-            self.index,
-            self.url,
-            query_tokens=_total(samples, "vllm:prefix_cache_queries_total"),
-            hit_tokens=_total(samples, "vllm:prefix_cache_hits_total"),
-            requests=_total(samples, "vllm:request_success_total"),
-            block_queries=_total(samples, "arc_evictor_block_queries_total"),
-            block_hits=_total(samples, "arc_evictor_block_hits_total"),
-            policy=active[0] if active else None,
-        )
+        return replica_stats(self.url, self.index, self.auth_headers)
 
 
 def local_url(port: int) -> str:
@@ -407,7 +435,7 @@ class FleetRouter:
 
     def healthy(self) -> bool:
         try:
-            return _http(self.url + "/health", timeout_s=2)[0] == 200
+            return http_request(self.url + "/health", timeout_s=2)[0] == 200
         except (urllib.error.URLError, OSError):
             return False
 
@@ -448,7 +476,7 @@ class FleetRouter:
 
     def metrics(self) -> Samples:
         """The router's Prometheus page, parsed (see ``parse_metrics``)."""
-        status, body = _http(self.metrics_url, timeout_s=10)
+        status, body = http_request(self.metrics_url, timeout_s=10)
         if status != 200:
             raise FleetError(f"{self.metrics_url} answered HTTP {status}")
         return parse_metrics(body.decode())
@@ -603,7 +631,7 @@ class Fleet:
     ) -> dict[str, Any]:
         """One completion of ``prompt`` (token ids) through the router (or ``url``)."""
         headers = self.auth_headers | ({"X-Session-ID": session} if session else {})
-        status, body = _http(
+        status, body = http_request(
             (url or self.router.url) + "/v1/completions",
             {
                 "model": SERVED_MODEL,
@@ -628,20 +656,8 @@ class Fleet:
     def reset_caches(self) -> None:
         """Empty every running server's prefix cache (and its policy's state)."""
         for server in self.servers:
-            if not server.running:
-                continue
-            deadline = time.monotonic() + RESET_TIMEOUT_S
-            while True:
-                status, body = _http(server.url + "/reset_prefix_cache", {}, server.auth_headers)
-                # vLLM refuses while blocks are held (a request still finishing): retry.
-                if status == 200 and json.loads(body or b"{}").get("success", True):
-                    break
-                if time.monotonic() > deadline:
-                    raise FleetError(
-                        f"server {server.index} refused to reset its prefix cache for "
-                        f"{RESET_TIMEOUT_S:.0f}s (HTTP {status}: {body[:200]!r})"
-                    )
-                time.sleep(0.5)
+            if server.running:
+                reset_prefix_cache(server.url, server.auth_headers)
 
     def switch_policy(self, name: str) -> None:
         """Switch every running server's eviction policy live; wait until each reports it."""

@@ -351,10 +351,14 @@ class Replay:
                 if response.status_code != 200:
                     detail = getattr(response, "error", None) or response.text[:300]
                     raise StreamError(f"HTTP {response.status_code}: {detail}")
+                done = False
                 for line in response.iter_lines():
                     received += len(line) + 1
-                    if not stats.feed_line(line, time.perf_counter()):
-                        break
+                    # Read on to the end of the body after [DONE]: a connection closed
+                    # mid-body cannot go back to the pool, and a proxy in front then drops its
+                    # own connection to the server too, after every request.
+                    if not done:
+                        done = not stats.feed_line(line, time.perf_counter())
                 if stats.tokens == 0:
                     raise StreamError("empty completion: no token streamed")
                 if stats.output_tokens != expected:
