@@ -490,9 +490,15 @@ def test_policy_switched_live_then_the_locust_job_replays_through_the_ingress(
     summary = run.summary
     if not run.succeeded:
         keep_state(kube, OUT / f"state-{job}")
-    assert run.succeeded, summary
-    assert summary["requests_ok"] == summary["requests_planned"] == len(trace.requests)
-    assert summary["requests_failed"] == 0 and not summary["stopped_early"]
+    # Traefik now and then sends the client only the headers of an answer it read whole from
+    # the router (cluster/README.md, "The ingress's cut streams"): one such stream, cut in
+    # flight, is allowed per replay; any other failure fails.
+    cut = summary["failures"]["in_flight"]
+    figures.setdefault("streams_cut_by_the_ingress", {})[policy] = cut
+    assert summary["requests_failed"] == cut <= 1 and not summary["stopped_early"], summary
+    assert run.succeeded == (cut == 0), summary
+    assert summary["requests_planned"] == len(trace.requests)
+    assert summary["requests_ok"] == len(trace.requests) - cut
     after = {p["metadata"]["name"]: counters(p) for p in pods}
     queries = hits = 0.0
     for name, start in before.items():
