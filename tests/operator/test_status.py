@@ -198,3 +198,17 @@ def test_each_pods_hit_rate_is_its_own_over_the_interval() -> None:
         {"pod": "b"},
     ]
     assert status_patch(status)["routingPolicy"] == "kv_aware"
+
+
+def test_hit_rates_are_stored_to_four_decimals() -> None:
+    """kubectl prints the HIT RATE column as stored."""
+    status = routed_status(
+        "kv_aware",
+        Rollout(replicas=1, ready=1, updated=1),
+        1,
+        hit_rate=0.5741566549498976,
+        replica_hit_rates={"a": 2 / 3, "b": None},
+    )
+    patch = status_patch(status)
+    assert patch["hitRate"] == 0.5742
+    assert patch["replicaHitRates"] == [{"pod": "a", "hitRate": 0.6667}, {"pod": "b"}]

@@ -23,7 +23,7 @@ condition's status changes.
 
 ``routingPolicy`` is the effective routing policy (also when defaulted) and
 ``replicaHitRates`` each read pod's own hit rate over the interval, next to the summed
-``hitRate``.
+``hitRate``; both rounded to ``HIT_RATE_DIGITS`` decimals.
 """
 
 from __future__ import annotations
@@ -41,6 +41,8 @@ from arc_operator.models import RoutingPolicy, ServingPolicySpec
 from arc_operator.models.base import FrozenModel
 
 VALID, POLICY_APPLIED, ROUTER_READY, READY = "Valid", "PolicyApplied", "RouterReady", "Ready"
+# kubectl prints the HIT RATE column as stored: more digits are noise over one interval.
+HIT_RATE_DIGITS = 4
 INVALID_SPEC, APPLY_REJECTED = "InvalidSpec", "ApplyRejected"
 
 
@@ -339,14 +341,18 @@ def build_status(
         replicas=seen.rollout.replicas,
         ready_replicas=seen.rollout.ready,
         active_policy=",".join(reported) or None,
-        hit_rate=seen.hit_rate,
+        hit_rate=_rounded(seen.hit_rate),
         routing_policy=None if seen.spec is None else seen.spec.routing_policy.value,
         replica_hit_rates=[
-            ReplicaHitRate(pod=pod, hit_rate=rate)
+            ReplicaHitRate(pod=pod, hit_rate=_rounded(rate))
             for pod, rate in sorted(seen.replica_hit_rates.items())
         ],
         conditions=[valid, applied, *([] if router is None else [router]), ready],
     )
+
+
+def _rounded(rate: float | None) -> float | None:
+    return None if rate is None else round(rate, HIT_RATE_DIGITS)
 
 
 def status_patch(status: ServingPolicyStatus) -> dict[str, Any]:
