@@ -60,8 +60,9 @@ def _log_line(worker: str, prompt: int, new: int) -> str:
 
 
 def _stored(server: int, at: float, hashes: list[str], parent: str | None, tokens: list[int]):
-    return KvBatch(server, T0 + at, 0, (KvEvent("BlockStored", tuple(hashes), parent,
-                                                tuple(tokens)),))  # fmt: skip
+    # Received 0.7 s after vLLM stamped it (after B was sent): the join goes by the stamp.
+    return KvBatch(server, T0 + at, T0 + at + 0.7, 0, (KvEvent("BlockStored", tuple(hashes),
+                                                              parent, tuple(tokens)),))  # fmt: skip
 
 
 # A on server 0 stores its two blocks at 0.5 s; B (1 s) finds them there while A still decodes
@@ -70,7 +71,7 @@ ROWS = [_row(0, 0.0, 0.3, 1.5), _row(1, 1.0, 0.1, 0.2), _row(2, 1.02, 0.1, 0.2)]
 BATCHES = [
     _stored(0, 0.5, ["a1", "a2"], None, PROMPTS[0][:8]),
     _stored(0, 1.2, ["b3"], "a2", PROMPTS[1][8:12]),
-    KvBatch(1, T0 + 0.1, 0, (KvEvent("AllBlocksCleared"),)),
+    KvBatch(1, T0 + 0.1, T0 + 0.8, 0, (KvEvent("AllBlocksCleared"),)),
 ]
 LOG = "\n".join(
     [
@@ -193,11 +194,12 @@ def test_the_recorder_keeps_what_vllms_publisher_sends(publisher: tuple[Any, str
         block_hashes=[11, 12], parent_block_hash=10, token_ids=list(range(8)), block_size=4,
         lora_id=None, medium="GPU", lora_name=None,
     )  # fmt: skip
+    stamps = [time.time() - 2, time.time() - 1]
     with KvEventRecorder([endpoint]) as recorder:
-        published.publish(EventBatch(ts=time.time(), events=[stored]))
+        published.publish(EventBatch(ts=stamps[0], events=[stored]))
         published.publish(
             EventBatch(
-                ts=time.time(),
+                ts=stamps[1],
                 events=[BlockRemoved(block_hashes=[b"\x01\x02"], medium="GPU"), AllBlocksCleared()],
             )
         )
@@ -205,4 +207,5 @@ def test_the_recorder_keeps_what_vllms_publisher_sends(publisher: tuple[Any, str
     assert (first.server, first.seq, second.seq) == (0, 0, 1)
     assert first.events == (KvEvent("BlockStored", ("11", "12"), "10", tuple(range(8))),)
     assert second.events == (KvEvent("BlockRemoved", ("0102",)), KvEvent("AllBlocksCleared"))
-    assert first.received <= second.received
+    assert [first.published, second.published] == stamps
+    assert stamps[1] < first.received <= second.received

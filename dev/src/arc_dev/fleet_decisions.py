@@ -9,8 +9,9 @@ One replay gives four records, joined here request by request:
 - the router's debug log: vllm-router 0.1.17 logs one ``KV prefix decision`` per request it
   scores, with the worker it chose, the prompt's tokens, the new prefill tokens it counted and
   the prefix tokens it credited to that worker;
-- the KV-event batches each server published, as a subscriber received them
-  (``arc_harness.kv_events``).
+- the KV-event batches each server published, each at the time vLLM stamped it
+  (``arc_harness.kv_events``; the router receives a batch moments after, while the recorder,
+  a thread of a busy Python process, can take a second longer).
 
 For every decision the row holds what each server had published as cached for the prompt by
 the time it was sent, each server's load (requests routed there and not finished) and prefill
@@ -19,7 +20,7 @@ the simulator's ``kv_aware`` rule gives each server from that state
 (``arc_simulator.routing.prefix_cost``), the servers of least cost, and whether the router
 chose one of them. The router decides a moment after the load test stamps a request sent, and
 sees a request's first and last token and an event batch a moment apart from where the load
-test and the recorder stamp them: a decision is ``explained`` when the router's choice is one
+test and vLLM stamp them: a decision is ``explained`` when the router's choice is one
 the rule makes, and its credit what the chosen server had published, at some moment within
 ``BOUNDARY_S`` of the stamp.
 
@@ -177,9 +178,9 @@ class _Published:
             {} for _ in range(servers)
         ]
         self.spans: list[dict[str, list[list[float]]]] = [{} for _ in range(servers)]
-        self.changes: list[float] = []  # arrival of every batch, in order
-        for batch in sorted(batches, key=lambda batch: batch.received):
-            self.changes.append(batch.received)
+        self.changes: list[float] = []  # every batch's publication, in order
+        for batch in sorted(batches, key=lambda batch: batch.published):
+            self.changes.append(batch.published)
             names, spans = self.names[batch.server], self.spans[batch.server]
             for event in batch.events:
                 if event.kind == "BlockStored":
@@ -190,13 +191,13 @@ class _Published:
                         parent = name
                         held = spans.setdefault(name, [])
                         if not held or held[-1][1] != math.inf:
-                            held.append([batch.received, math.inf])
+                            held.append([batch.published, math.inf])
                 else:
                     removed = event.block_hashes if event.kind == "BlockRemoved" else list(spans)
                     for name in removed:
                         held = spans.get(name)
                         if held and held[-1][1] == math.inf:
-                            held[-1][1] = batch.received
+                            held[-1][1] = batch.published
 
     def changes_within(self, low: float, high: float) -> list[float]:
         return self.changes[bisect_right(self.changes, low) : bisect_left(self.changes, high)]
@@ -348,7 +349,7 @@ def unanchored_stores(batches: Sequence[KvBatch]) -> int:
     skips them, so their blocks are never credited."""
     seen: set[str] = set()
     skipped = 0
-    for batch in sorted(batches, key=lambda batch: batch.received):
+    for batch in sorted(batches, key=lambda batch: batch.published):
         for event in batch.events:
             if event.kind != "BlockStored":
                 continue

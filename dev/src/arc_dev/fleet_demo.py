@@ -30,7 +30,7 @@ Steps (each printed with its wall time):
    seeds: the mean, and the 10th to 90th percentile of the hit rate.
 
 With ``--record-decisions`` each ``kv_aware`` replay also writes ``kv_events.jsonl`` (every
-KV-event batch the servers published, as a subscriber received it) and ``decisions.jsonl``
+KV-event batch the servers published, with vLLM's stamp and its arrival) and ``decisions.jsonl``
 (``arc_dev.fleet_decisions``: each request's router decision next to the published state it
 was made from and the simulator's rule on that state); the router logs at debug level and the
 servers report each request's cached prompt tokens.

@@ -1,10 +1,13 @@
 """Record what vLLM servers publish on their KV-event ZMQ sockets, as a router receives it.
 
 ``KvEventRecorder`` subscribes to each server's publisher (a SUB socket on the endpoint the
-router subscribes to, every topic) from a thread and keeps every batch with the wall time it
-arrived: ``KvBatch`` (server index, arrival, sequence number, events). vLLM's publisher sends
+router subscribes to, every topic) from a thread and keeps every batch with the wall time vLLM
+stamped it and the wall time it arrived: ``KvBatch`` (server index, both times, sequence
+number, events). vLLM's publisher sends
 ``[topic, sequence number (8 bytes, big endian), payload]``; the payload is a msgpack
-``EventBatch`` ``[ts, [event, ...], data_parallel_rank]``, each event a map tagged by its
+``EventBatch`` ``[ts, [event, ...], data_parallel_rank]`` (``ts``: the scheduler's
+``time.time()`` when it took the step's events, the same clock on one machine), each event a
+map tagged by its
 ``type``: ``BlockStored`` (``block_hashes``, ``parent_block_hash``, ``token_ids``, ...),
 ``BlockRemoved`` (``block_hashes``) or ``AllBlocksCleared``. Hashes are 64-bit integers by
 default (raw digests otherwise) and are kept here as strings.
@@ -34,9 +37,12 @@ class KvEvent:
 
 @dataclass(frozen=True, slots=True)
 class KvBatch:
-    """One published batch as it arrived: server index, wall time, sequence number, events."""
+    """One published batch: server index, the wall time vLLM stamped it (``published``) and
+    the one it arrived here (``received``; a subscriber in a busy process can take a second
+    longer than the router does), sequence number, events."""
 
     server: int
+    published: float
     received: float
     seq: int
     events: tuple[KvEvent, ...]
@@ -44,6 +50,7 @@ class KvBatch:
     def as_json(self) -> dict[str, Any]:
         return {
             "server": self.server,
+            "published": self.published,
             "received": self.received,
             "seq": self.seq,
             "events": [
@@ -61,6 +68,7 @@ class KvBatch:
     def from_json(cls, row: dict[str, Any]) -> KvBatch:
         return cls(
             row["server"],
+            row["published"],
             row["received"],
             row["seq"],
             tuple(
@@ -107,7 +115,8 @@ def decode_batch(server: int, received: float, seq: int, payload: bytes) -> KvBa
     import msgspec
 
     batch = msgspec.msgpack.decode(payload)
-    return KvBatch(server, received, seq, tuple(decode_event(raw) for raw in batch[1]))
+    events = tuple(decode_event(raw) for raw in batch[1])
+    return KvBatch(server, float(batch[0]), received, seq, events)
 
 
 class KvEventRecorder:
