@@ -147,6 +147,22 @@ def test_make_fetches_the_prometheus_server_the_demo_and_tests_use(
     assert "apt-get download" in done.stdout
 
 
+def test_make_test_fast_copies_the_gateway_api_crds_the_chart_tests_validate_with(
+    tmp_path: Path,
+) -> None:
+    """With no CRD folder yet, ``make -n test-fast`` plans the copy of the HTTPRoute CRD that
+    tests/chart reads."""
+    done = subprocess.run(
+        ["make", "-n", "test-fast", f"CLUSTER_OUT={tmp_path}"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    assert f"{tmp_path}/crds/gateway-api/gateway.networking.k8s.io_httproutes.yaml" in done.stdout
+
+
 def test_the_demo_looks_for_prometheus_where_make_puts_it() -> None:
     from arc_harness.prometheus import PROMETHEUS_BINARY
 
