@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ from arc_dev.fleet_decisions import (
     Decision,
     DecisionRecordError,
     State,
+    boundary_s,
     join_decisions,
     read_decisions,
     summarise,
@@ -83,12 +85,19 @@ LOG = "\n".join(
 )
 
 
-def _join(rows: list[dict[str, Any]] = ROWS, log: str = LOG) -> list[Decision]:
+def _join(
+    rows: list[dict[str, Any]] = ROWS, log: str = LOG, batches: Sequence[KvBatch] = BATCHES
+) -> list[Decision]:
     return join_decisions(
         [_request(i) for i in PROMPTS],
         lambda request: PROMPTS[request.index],
-        rows, log, BATCHES, URLS, BLOCK,
+        rows, log, batches, URLS, BLOCK,
     )  # fmt: skip
+
+
+def _received_after(lag_s: float) -> list[KvBatch]:
+    """BATCHES as a recorder that received each ``lag_s`` after vLLM's stamp."""
+    return [replace(batch, received=batch.published + lag_s) for batch in BATCHES]
 
 
 def test_each_request_meets_the_state_it_was_sent_into() -> None:
@@ -107,19 +116,35 @@ def test_each_request_meets_the_state_it_was_sent_into() -> None:
 def test_a_decision_is_explained_by_any_state_within_the_window() -> None:
     # B sent 40 ms before A's blocks were published: the stamp's state credits nothing, the
     # window's later state credits what the router credited.
+    prompt = _received_after(0.005)
+    assert boundary_s(prompt) == BOUNDARY_S
     rows = [_row(0, 0.0, 0.3, 1.5), _row(1, 0.5 - 0.04, 0.1, 0.2), _row(2, 1.02, 0.1, 0.2)]
-    _, early, _ = _join(rows)
+    _, early, _ = _join(rows, batches=prompt)
     assert BOUNDARY_S > 0.04
     assert early.state.published_tokens == [0, 0] and not early.credit_matches
     assert State([8, 0], [1, 0], [0, 0]) in early.window
     assert early.explained()
     # Outside the window nothing explains it.
     rows[1] = _row(1, 0.5 - 2 * BOUNDARY_S, 0.1, 0.2)
-    assert not _join(rows)[1].explained()
+    assert not _join(rows, batches=prompt)[1].explained()
+
+
+def test_the_window_widens_to_the_lag_the_recording_measured() -> None:
+    # B sent 150 ms before A's blocks were stamped published, as a router that fell behind its
+    # publishers credits them: unexplained where batches arrived at once, explained where the
+    # recorder itself received them 200 ms late.
+    rows = [_row(0, 0.0, 0.3, 1.5), _row(1, 0.5 - 0.15, 0.1, 0.2), _row(2, 1.02, 0.1, 0.2)]
+    assert not _join(rows, batches=_received_after(0.005))[1].explained()
+    lagging = _received_after(0.2)
+    assert boundary_s(lagging) == pytest.approx(0.2)
+    assert _join(rows, batches=lagging)[1].explained()
+    # Nine batches in ten: one late batch does not widen it.
+    one_late = [*_received_after(0.005) * 3, replace(BATCHES[0], received=BATCHES[0].published + 5)]
+    assert boundary_s(one_late) == BOUNDARY_S
 
 
 def test_the_rule_is_the_one_given() -> None:
-    third = _join()[2]
+    third = _join(batches=_received_after(0.005))[2]
 
     def prefix_only(new: int, in_flight: int, load: int) -> int:
         return new

@@ -59,6 +59,7 @@ from typing import Any, Self
 from arc_dev.demo import StepClock, stop_on_sigterm
 from arc_dev.fleet_decisions import (
     DecisionRecordError,
+    boundary_s,
     join_decisions,
     service_times,
     summarise,
@@ -813,6 +814,7 @@ class DecisionRecorder:
             self.requests, [self.routing], [eviction], self.capacity, measured, self.port_base
         )
         return summarise(decisions) | {
+            "boundary_s": boundary_s(batches),
             "unanchored_stores": unanchored_stores(batches),
             "at_measured_service_times": {
                 "cost_model": asdict(measured),
