@@ -562,8 +562,13 @@ def test_dashboard_queries_return_data_and_a_picture_is_drawn(
 def test_an_engine_pod_deleted_mid_replay(
     kube: Kube, release: Release, trace: Trace, figures: dict[str, Any]
 ) -> None:
-    """The replay reports the requests that failed, the Deployment replaces the pod, the router
-    sends traffic to the new one."""
+    """The replay accounts for every request, failed ones by kind, the Deployment replaces the
+    pod, the router sends traffic to the new one.
+
+    How many requests fail depends on timing, and none is a correct outcome: the kubelet sends
+    SIGTERM, the pod leaves the endpoints, and the router may move away before vLLM stops with
+    nothing in flight. tests/loadtest/test_failed_requests.py proves the failures are reported
+    when a server is killed with requests in flight."""
     pods = engine_pods(kube)
     answered = sum(counters(p).requests or 0 for p in pods)
     job = start_load_test(kube, trace, "fault-engine", "TRIO")
@@ -586,7 +591,7 @@ def test_an_engine_pod_deleted_mid_replay(
         summary["requests_ok"] + summary["requests_failed"] + summary["requests_unsent"]
         == (summary["requests_planned"])
     )
-    assert summary["requests_failed"] + summary["requests_unsent"] > 0, summary
+    assert sum(summary["failures"].values()) == summary["requests_failed"], summary
     assert run.succeeded == (summary["requests_failed"] == 0 and not summary["stopped_early"])
     replaced = wait_ready(kube, NAMESPACE, ENGINE_SELECTOR, REPLICAS, ENGINE_START_S)
     shown(kube.run("get", "pods", "-n", NAMESPACE, "-l", ENGINE_SELECTOR))
