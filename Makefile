@@ -46,7 +46,7 @@ demo: $(STAMP) $(PROMETHEUS)
 # Two vLLM servers behind the real vLLM router: every routing policy under LRU and trio,
 # measured next to the simulator's fleet model (docs/routing.md).
 demo-fleet: $(STAMP)
-	$(PY) -m arc_dev.fleet_demo --out $(OUT)/demo-fleet
+	$(PY) -m arc_dev.fleet_demo --out $(OUT)/demo-fleet --record-decisions
 
 # Everything, in three steps that together run every test once, each report printed in turn,
 # after the set-up that reaches the package registries (the images tests/images runs are built

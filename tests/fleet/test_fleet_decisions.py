@@ -4,6 +4,7 @@ publisher."""
 
 from __future__ import annotations
 
+import re
 import time
 import warnings
 from collections.abc import Iterator, Sequence
@@ -19,6 +20,7 @@ from arc_dev.fleet_decisions import (
     DecisionRecordError,
     State,
     boundary_s,
+    cache_aware_placement,
     join_decisions,
     read_decisions,
     summarise,
@@ -163,6 +165,27 @@ def test_records_that_do_not_join_are_refused_naming_the_request() -> None:
         _join(log="\n".join([_log_line(URLS[0], 9, 9), _log_line(URLS[0], 13, 5)]))
     with pytest.raises(DecisionRecordError, match="not a server"):
         _join(log=LOG.replace(URLS[1], "http://elsewhere:1"))
+
+
+def _cache_line(worker: str) -> str:
+    # As vllm-router 0.1.17 prints its cache_aware choice at debug level, colours included.
+    return (
+        "\x1b[2m2026-12-06 23:40:02\x1b[0m \x1b[34mDEBUG\x1b[0m src/policies/cache_aware.rs:384: "
+        'Cache prefix decision \x1b[3mstage\x1b[0m\x1b[2m=\x1b[0m"route" '
+        f'\x1b[3mselected\x1b[0m\x1b[2m=\x1b[0m"{worker}" match_rate=0.5 batch_prompts=1'
+    )
+
+
+def test_a_cache_aware_placement_is_read_in_sending_order() -> None:
+    log = "\n".join(
+        ["INFO unrelated", _cache_line(URLS[1]), _cache_line(URLS[0]), _cache_line(URLS[1])]
+    )
+    rows = [ROWS[2], ROWS[0], ROWS[1]]  # rows come in answering order, not sending order
+    assert cache_aware_placement(rows, log, URLS) == {0: 1, 1: 0, 2: 1}
+    with pytest.raises(DecisionRecordError, match="logged 2 cache_aware decisions for 3"):
+        cache_aware_placement(rows, "\n".join([_cache_line(URLS[0])] * 2), URLS)
+    with pytest.raises(DecisionRecordError, match=re.escape("'http://127.0.0.1:9', not a server")):
+        cache_aware_placement(rows, "\n".join([_cache_line("http://127.0.0.1:9")] * 3), URLS)
 
 
 def test_decisions_and_batches_read_back_as_written(tmp_path: Path) -> None:

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from arc_dev import fleet_demo
-from arc_dev.fleet_decisions import read_decisions
+from arc_dev.fleet_decisions import DecisionRecordError, predict_on_placement, read_decisions
 from arc_harness.fleet import ROUTER_PORT_OFFSET, server_port, server_url
 from arc_harness.listening import ListenerSampler
 from arc_serving_common.names import KV_AWARE_ROUTER_TEMPERATURE
@@ -34,6 +34,8 @@ ROUTING = fleet_demo.DEFAULT_ROUTING
 # One eviction policy: every routing policy meets the real router, and each run costs a paced
 # replay; live switching has tests of its own (tests/faults/test_live_switch.py).
 EVICTION = ("trio",)
+# How far a recorded run's hit rate may be from the model's on the placement its router made.
+PLACED_TOLERANCE = 0.05
 # The router logs each consistent_hash decision with the key it hashed (INFO level).
 HASH_DECISION = re.compile(r"Consistent hash routing: key='([^']*)' -> worker='([^']*)'")
 SESSION_KEY = "header:x-session-id:"
@@ -140,15 +142,25 @@ def test_in_flight_is_the_requests_time_over_the_span_per_replica(tmp_path: Path
     assert fleet_demo.mean_in_flight(results, replicas=2) == pytest.approx(5.0 / 4.0 / 2)
 
 
-def test_kv_aware_decisions_are_recorded_and_joined(demo_run: tuple[Path, dict[str, Any]]) -> None:
+def test_router_decisions_are_recorded_and_joined(demo_run: tuple[Path, dict[str, Any]]) -> None:
     """--record-decisions: each kv_aware request's router decision next to the servers' KV
     events; the simulator's rule makes the router's choice from that state (a few may fall
     where the router and the load test stamp a change differently), and vLLM reports what it
-    served from cache."""
+    served from cache. Each kv_aware and cache_aware run's placement, read from the router's
+    log, is the one vLLM's request counters saw, and the model predicts the run on it."""
     out, report = demo_run
     for run in report["runs"]:
-        if not run["routing"].startswith("kv_aware"):
+        if run["routing"] not in fleet_demo.RECORDED:
             assert run["decisions"] is None
+            continue
+        # The placement read from the router's log is the one vLLM's request counters saw.
+        placed = run["decisions"]["on_recorded_placement"]
+        assert placed["shares"] == pytest.approx(run["shares"]), run
+        assert placed["in_flight"] > 0.0
+        # Given the placement, the model of the caches is close (docs/routing.md: within 2
+        # points on the demo's trace, quiet or with a busy core; within a point here).
+        assert abs(placed["block_hit_rate"] - run["block_hit_rate"]) <= PLACED_TOLERANCE, run
+        if run["routing"] != "kv_aware":
             continue
         run_dir = out / f"kv_aware-{run['eviction']}"
         assert (run_dir / "kv_events.jsonl").stat().st_size > 0
@@ -275,6 +287,32 @@ def test_a_router_that_draws_is_predicted_over_seeds(tmp_path: Path) -> None:
     # Round robin draws nothing: one run, no spread.
     assert (fixed.seeds, fixed.block_hit_low, fixed.block_hit_high) == (1, None, None)
     assert "(" in fleet_demo.table_rows([drawn], [drawn])[0][4]
+
+
+def test_the_model_on_a_recorded_placement_is_the_model_of_that_placement(
+    tmp_path: Path,
+) -> None:
+    """Replaying the placement a router made reproduces that router's run exactly, so what
+    the prediction on a run's placement leaves out is the router, nothing else."""
+    settings = fleet_demo.parse_args(["--out", str(tmp_path)])
+    requests = demo_requests(settings, tmp_path)
+    capacity, replicas = settings.capacity_blocks, fleet_demo.REPLICAS
+    routed, placement = simulate_fleet(
+        requests, "trio", capacity, replicas, "kv_aware", sequential=False,
+        cost=fleet_demo.COST, seed=3, temperature=KV_AWARE_ROUTER_TEMPERATURE,
+    )  # fmt: skip
+    recorded = {request.index: worker for request, worker in zip(requests, placement, strict=True)}
+    replayed = predict_on_placement(requests, recorded, "trio", capacity, replicas, fleet_demo.COST)
+    assert replayed.block_hits == routed.block_hits
+    assert replayed.block_queries == routed.block_queries
+    assert replayed.request_shares == routed.request_shares
+    # Another placement is another prediction.
+    swapped = {index: 1 - worker if index % 3 else worker for index, worker in recorded.items()}
+    other = predict_on_placement(requests, swapped, "trio", capacity, replicas, fleet_demo.COST)
+    assert other.block_hits != routed.block_hits
+    missing = {i: w for i, w in recorded.items() if i != requests[5].index}
+    with pytest.raises(DecisionRecordError, match=f"request {requests[5].index} has no"):
+        predict_on_placement(requests, missing, "trio", capacity, replicas, fleet_demo.COST)
 
 
 def test_cache_aware_thresholds_reach_the_router_and_the_prediction(tmp_path: Path) -> None:

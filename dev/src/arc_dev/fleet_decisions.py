@@ -24,6 +24,10 @@ test and vLLM stamp them: a decision is ``explained`` when the router's choice i
 the rule makes, and its credit what the chosen server had published, at some moment within the
 recording's boundary of the stamp (``boundary_s``).
 
+The decisions also give the placement the router made; ``predict_on_placement`` runs the
+simulator's fleet on it (``RecordedPlacement``), so a run's hit rate can be compared with the
+model of the servers' caches apart from the model of the router.
+
 Block identity: a prompt's blocks are found in a server's ``BlockStored`` events by their
 tokens, walking from the first block, each after its parent, so no hash is recomputed here.
 vllm-router 0.1.17 skips a ``BlockStored`` whose parent hash it never saw stored ("unknown
@@ -38,17 +42,19 @@ import math
 import re
 import statistics
 from bisect import bisect_left, bisect_right
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from arc_harness.kv_events import KvBatch
 from arc_serving_common.traces import TraceRequest
-from arc_simulator.routing import credited_blocks, prefix_cost
-from arc_simulator.simulate import CostModel
+from arc_simulator.fleet import simulate_routed
+from arc_simulator.routing import FleetView, credited_blocks, prefix_cost
+from arc_simulator.simulate import CostModel, SimulationResult
 
 DECISION = "KV prefix decision"
+CACHE_DECISION = "Cache prefix decision"
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _FIELD = re.compile(r'(\w+)=("[^"]*"|\S+)')
 # How far apart the router's view and the records may stamp one change, at least: on a shared
@@ -375,12 +381,12 @@ def unanchored_stores(batches: Sequence[KvBatch]) -> int:
     return skipped
 
 
-def service_times(decisions: Sequence[Decision], rows: Sequence[dict[str, Any]]) -> CostModel:
-    """The simulator's cost model as one replay served: time to first token against the new
-    prefill tokens the router counted (a least-squares line: the step and the time per
-    token), and the mean time between output tokens."""
+def service_times(new_tokens: Mapping[int, int], rows: Sequence[dict[str, Any]]) -> CostModel:
+    """The simulator's cost model as one replay served: time to first token against each
+    request's new prefill tokens (request index to tokens; a least-squares line: the step and
+    the time per token), and the mean time between output tokens."""
     ttft = {row["index"]: row["ttft_s"] for row in rows if row["ok"]}
-    pairs = [(d.router_new_tokens, ttft[d.index]) for d in decisions if ttft.get(d.index)]
+    pairs = [(new, ttft[index]) for index, new in new_tokens.items() if ttft.get(index)]
     if len({new for new, _ in pairs}) < 2:
         raise DecisionRecordError("too few distinct prefill sizes to fit the service times")
     slope, intercept = statistics.linear_regression(*zip(*pairs, strict=True))
@@ -390,6 +396,68 @@ def service_times(decisions: Sequence[Decision], rows: Sequence[dict[str, Any]])
         decode_seconds_per_token=statistics.fmean(gaps) if gaps else 0.0,
         step_seconds=max(intercept, 0.0),
     )
+
+
+class RecordedPlacement:
+    """A simulator router that sends each request where the real router sent it.
+
+    With it the model predicts a run's hit rate from the run's own placement, so what is left
+    between the two is the model of the servers' caches, not of the router's choices.
+    """
+
+    name = "recorded"
+
+    def __init__(self, placement: Mapping[int, int]) -> None:
+        self._workers = placement
+
+    def route(self, request: TraceRequest, view: FleetView) -> int:
+        try:
+            return self._workers[request.index]
+        except KeyError:
+            raise DecisionRecordError(f"request {request.index} has no recorded decision") from None
+
+
+def predict_on_placement(
+    requests: Sequence[TraceRequest],
+    placement: Mapping[int, int],
+    policy: str,
+    capacity: int,
+    servers: int,
+    cost: CostModel,
+) -> SimulationResult:
+    """The simulator's fleet (overlapping mode) on the placement the router recorded
+    (request index to server)."""
+    result, _ = simulate_routed(
+        requests, policy, capacity, servers, RecordedPlacement(placement), sequential=False,
+        cost=cost,
+    )  # fmt: skip
+    return result
+
+
+def cache_aware_placement(
+    rows: Sequence[dict[str, Any]], router_log: str, worker_urls: Sequence[str]
+) -> dict[int, int]:
+    """Where the ``cache_aware`` router sent each answered request: its debug log's ``Cache
+    prefix decision`` lines (the selected worker), in sending order. The lines carry no
+    prompt to match them by, so two requests sent within moments of each other may be paired
+    the wrong way round; the placement's shares are exact either way."""
+    selected = []
+    for line in _ANSI.sub("", router_log).splitlines():
+        if CACHE_DECISION in line:
+            fields = dict(_FIELD.findall(line.split(CACHE_DECISION, 1)[1]))
+            selected.append(fields.get("selected", "").strip('"'))
+    answered = sorted((row for row in rows if row["ok"]), key=lambda row: row["sent_wall"])
+    if len(selected) != len(answered):
+        raise DecisionRecordError(
+            f"the router logged {len(selected)} cache_aware decisions for "
+            f"{len(answered)} answered requests"
+        )
+    placement = {}
+    for row, url in zip(answered, selected, strict=True):
+        if url not in worker_urls:
+            raise DecisionRecordError(f"the router chose {url!r}, not a server")
+        placement[row["index"]] = list(worker_urls).index(url)
+    return placement
 
 
 def summarise(decisions: Sequence[Decision]) -> dict[str, Any]:

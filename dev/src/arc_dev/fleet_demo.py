@@ -33,7 +33,9 @@ With ``--record-decisions`` each ``kv_aware`` replay also writes ``kv_events.jso
 KV-event batch the servers published, with vLLM's stamp and its arrival) and ``decisions.jsonl``
 (``arc_dev.fleet_decisions``: each request's router decision next to the published state it
 was made from and the simulator's rule on that state); the router logs at debug level and the
-servers report each request's cached prompt tokens.
+servers report each request's cached prompt tokens. Each ``kv_aware`` and ``cache_aware`` row
+then also carries the model's hit rate on the placement the router made ("sim on its
+placement"): the model of the servers' caches alone, the router's choices given.
 
 Invariant: a run is only reported when every request of the trace was answered; otherwise
 the demo stops with exit status 1 naming the run and why. Bad arguments exit with status 2
@@ -60,7 +62,9 @@ from arc_dev.demo import StepClock, stop_on_sigterm
 from arc_dev.fleet_decisions import (
     DecisionRecordError,
     boundary_s,
+    cache_aware_placement,
     join_decisions,
+    predict_on_placement,
     service_times,
     summarise,
     unanchored_stores,
@@ -145,6 +149,8 @@ COST = CostModel(
 PORT_BASE = 27400
 # The routing label of the run on one server holding both replicas' caches.
 ONE_CACHE = "one_cache"
+# The routers whose decisions --record-decisions records (their debug logs name the worker).
+RECORDED = ("kv_aware", "cache_aware")
 # A router that draws is predicted over this many seeds: one draw of the model is one sample
 # of a run, and on this trace the draws of kv_aware at temperature 1 spread the hit rate by
 # 2 points (standard deviation) around their mean.
@@ -389,7 +395,8 @@ def parse_args(argv: Sequence[str] | None = None) -> FleetDemoSettings:
         "--record-decisions",
         action="store_true",
         help="for each kv_aware replay, write the servers' KV events and each request's router "
-        "decision next to the state it was made from (kv_events.jsonl, decisions.jsonl)",
+        "decision next to the state it was made from (kv_events.jsonl, decisions.jsonl); for "
+        "kv_aware and cache_aware, predict each run on the placement its router made",
     )
     args = parser.parse_args(argv)
     try:
@@ -565,6 +572,7 @@ HEADER = [
     "requests",
     "block hit",
     "sim hit",
+    "sim on its placement",
     "of one cache",
     "TTFT p50 ms",
     "TTFT p90 ms",
@@ -587,6 +595,15 @@ def of_one_cache(runs: Sequence[Figures]) -> list[float | None]:
     return shares
 
 
+def on_placement(run: Figures) -> float | None:
+    """The model's hit rate on the placement the router recorded for ``run`` (None where
+    its decisions were not recorded)."""
+    if run.decisions is None:
+        return None
+    rate: float | None = run.decisions["on_recorded_placement"]["block_hit_rate"]
+    return rate
+
+
 def table_rows(runs: Sequence[Figures], predictions: Sequence[Figures]) -> list[list[str]]:
     """One row per measured pair, the simulator's figures for the same pair beside it."""
     predicted = {(p.routing, p.eviction): p for p in predictions}
@@ -600,6 +617,7 @@ def table_rows(runs: Sequence[Figures], predictions: Sequence[Figures]) -> list[
                 f"{run.requests}",
                 _rate(run.block_hit_rate),
                 _predicted_rate(sim),
+                _rate(on_placement(run)),
                 "-" if kept is None else f"{kept:.2f}",
                 _ms(run.ttft_p50_s),
                 _ms(run.ttft_p90_s),
@@ -737,10 +755,13 @@ def replay_pair(
             router_log = log.read().decode(errors="replace")
         decisions = record.write(run_dir, eviction, events.snapshot(), router_log)
         refit = decisions["at_measured_service_times"]
+        placed = decisions["on_recorded_placement"]
+        joined = f"{describe_decisions(decisions)}; " if "rule_agrees" in decisions else ""
         clock.step(
-            f"{routing}/{eviction}: {describe_decisions(decisions)}; the model at the "
-            f"service times measured: hit {_predicted_rate_of(refit)}, in flight "
-            f"{_flight(refit['in_flight'])}"
+            f"{routing}/{eviction}: {joined}the model at the service times measured: hit "
+            f"{_predicted_rate_of(refit)}, in flight {_flight(refit['in_flight'])}; on the "
+            f"router's placement: hit {_rate(placed['block_hit_rate'])}, in flight "
+            f"{_flight(placed['in_flight'])}"
         )
     return Figures(
         routing,
@@ -788,9 +809,10 @@ class DecisionRecorder:
     def write(
         self, run_dir: Path, eviction: str, batches: Sequence[KvBatch], router_log: str
     ) -> dict[str, Any]:
-        """Write ``kv_events.jsonl`` and ``decisions.jsonl`` into ``run_dir``; return the
-        decisions' summary, with the model's prediction at the service times the replay
-        measured (``fleet_decisions.service_times``) beside the one made before it."""
+        """Write ``kv_events.jsonl`` (and for ``kv_aware``, ``decisions.jsonl``) into
+        ``run_dir``; return the decisions' summary (``cache_aware``: their count), with the
+        model's prediction at the service times the replay measured
+        (``fleet_decisions.service_times``) and on the placement the router recorded."""
         write_batches(run_dir / "kv_events.jsonl", batches)
         rows = [
             json.loads(line)
@@ -798,30 +820,48 @@ class DecisionRecorder:
             if line.strip()
         ]
         try:
-            decisions = join_decisions(
-                self.requests,
-                lambda request: self.mapper.prompt(request.hash_ids, request.input_length),
-                rows, router_log, batches, self.worker_urls, BLOCK_TOKENS,
-            )  # fmt: skip
+            if self.routing.policy == "kv_aware":
+                decisions = join_decisions(
+                    self.requests,
+                    lambda request: self.mapper.prompt(request.hash_ids, request.input_length),
+                    rows, router_log, batches, self.worker_urls, BLOCK_TOKENS,
+                )  # fmt: skip
+                write_decisions(run_dir / "decisions.jsonl", decisions)
+                summary = summarise(decisions) | {
+                    "boundary_s": boundary_s(batches),
+                    "unanchored_stores": unanchored_stores(batches),
+                }
+                placement = {d.index: d.worker for d in decisions}
+                new_tokens = {d.index: d.router_new_tokens for d in decisions}
+            else:
+                placement = cache_aware_placement(rows, router_log, self.worker_urls)
+                summary = {"decisions": len(placement)}
+                new_tokens = {
+                    row["index"]: row["input_tokens"] - row["cached_tokens"]
+                    for row in rows
+                    if row["ok"] and row.get("cached_tokens") is not None
+                }
+            measured = service_times(new_tokens, rows)
         except DecisionRecordError as exc:
             raise FleetDemoError(f"the decisions of {run_dir} do not join: {exc}") from exc
-        write_decisions(run_dir / "decisions.jsonl", decisions)
-        try:
-            measured = service_times(decisions, rows)
-        except DecisionRecordError as exc:
-            raise FleetDemoError(f"{run_dir}: {exc}") from exc
         (prediction,) = predict(
             self.requests, [self.routing], [eviction], self.capacity, measured, self.port_base
         )
-        return summarise(decisions) | {
-            "boundary_s": boundary_s(batches),
-            "unanchored_stores": unanchored_stores(batches),
+        placed = predict_on_placement(
+            self.requests, placement, eviction, self.capacity, len(self.worker_urls), measured
+        )
+        return summary | {
             "at_measured_service_times": {
                 "cost_model": asdict(measured),
                 "block_hit_rate": prediction.block_hit_rate,
                 "block_hit_low": prediction.block_hit_low,
                 "block_hit_high": prediction.block_hit_high,
                 "in_flight": prediction.in_flight,
+            },
+            "on_recorded_placement": {
+                "block_hit_rate": placed.block_hit_rate,
+                "in_flight": placed.mean_in_flight,
+                "shares": list(placed.request_shares),
             },
         }
 
@@ -927,9 +967,9 @@ def describe_run(run: Figures) -> str:
 
 
 def _router_args(routing: Routing, record: bool) -> list[str]:
-    """The router's flags for ``routing``; recording logs each kv_aware decision (debug)."""
+    """The router's flags for ``routing``; recording logs each decision (debug)."""
     args = routing.router_args()
-    return [*args, "--log-level", "debug"] if record and routing.policy == "kv_aware" else args
+    return [*args, "--log-level", "debug"] if record and routing.policy in RECORDED else args
 
 
 def run_demo(settings: FleetDemoSettings) -> int:
@@ -1036,7 +1076,7 @@ def run_demo(settings: FleetDemoSettings) -> int:
                 for eviction in settings.eviction:
                     recording = (
                         replace(recorder, routing=routing)
-                        if recorder and routing.policy == "kv_aware"
+                        if recorder and routing.policy in RECORDED
                         else None
                     )
                     replay(fleet, routing.label, eviction, recording)

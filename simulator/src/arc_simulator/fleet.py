@@ -38,6 +38,7 @@ from arc_simulator.belady import Belady
 from arc_simulator.routing import (
     DEFAULT_LOAD_BOUND,
     CacheAwareConfig,
+    Router,
     RoutingError,
     check_replicas,
     check_router,
@@ -153,6 +154,24 @@ def simulate_fleet(
         router_name, replicas, seed, temperature, cache_aware, worker_urls, affinity_ttl_s,
         load_bound,
     )  # fmt: skip
+    return simulate_routed(
+        requests, policy_name, capacity, replicas, router, sequential=sequential, cost=cost
+    )
+
+
+def simulate_routed(
+    requests: Sequence[TraceRequest],
+    policy_name: str,
+    capacity: int,
+    replicas: int,
+    router: Router,
+    *,
+    sequential: bool = True,
+    cost: CostModel | None = None,
+) -> tuple[SimulationResult, list[int]]:
+    """``simulate_fleet`` with a router of the caller's own, for example one that replays
+    the placement a real router recorded."""
+    check_fleet(policy_name, replicas)
     cost = cost or CostModel()
     mode = "sequential" if sequential else "overlapping"
     # One replica is never scored, so it keeps nothing for a router.
