@@ -310,7 +310,8 @@ class Figures:
     span from the first sending to the last end, per replica (Little's law: how busy the
     replicas were). ``seeds``: the simulator runs a prediction averages (1 for a measured run);
     ``block_hit_low``/``block_hit_high`` the 10th and 90th percentile of their hit rates.
-    ``decisions``: a measured run's ``fleet_decisions.summarise`` (``--record-decisions``).
+    ``decisions``: what ``DecisionRecorder.write`` returned for a recorded run
+    (``--record-decisions``; ``kv_aware`` and ``cache_aware`` only), else None.
     """
 
     routing: str
