@@ -129,22 +129,27 @@ def test_bad_arguments_are_refused_before_anything_runs(arguments: list[str], me
     assert message in done.stderr
 
 
+def make_plan(target: str, *assignments: str) -> str:
+    """What ``make -n target`` would run with ``assignments``, as make prints it."""
+    return subprocess.run(
+        ["make", "-n", target, *assignments],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+
+
 @pytest.mark.parametrize("target", ["demo", "test"])
 def test_make_fetches_the_prometheus_server_the_demo_and_tests_use(
     target: str, tmp_path: Path
 ) -> None:
     """With no tool folder yet, ``make -n`` plans the fetch of the Prometheus server."""
     tools = tmp_path / "tools"
-    done = subprocess.run(
-        ["make", "-n", target, f"TOOLS={tools}"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    )
-    assert f"{tools}/bin/prometheus" in done.stdout
-    assert "apt-get download" in done.stdout
+    plan = make_plan(target, f"TOOLS={tools}")
+    assert f"{tools}/bin/prometheus" in plan
+    assert "apt-get download" in plan
 
 
 def test_make_test_fast_copies_the_gateway_api_crds_the_chart_tests_validate_with(
@@ -152,15 +157,8 @@ def test_make_test_fast_copies_the_gateway_api_crds_the_chart_tests_validate_wit
 ) -> None:
     """With no CRD folder yet, ``make -n test-fast`` plans the copy of the HTTPRoute CRD that
     tests/chart reads."""
-    done = subprocess.run(
-        ["make", "-n", "test-fast", f"CLUSTER_OUT={tmp_path}"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    )
-    assert f"{tmp_path}/crds/gateway-api/gateway.networking.k8s.io_httproutes.yaml" in done.stdout
+    plan = make_plan("test-fast", f"CLUSTER_OUT={tmp_path}")
+    assert f"{tmp_path}/crds/gateway-api/gateway.networking.k8s.io_httproutes.yaml" in plan
 
 
 def test_the_demo_looks_for_prometheus_where_make_puts_it() -> None:

@@ -81,16 +81,23 @@ class RouterDecision:
     credited_prefix_tokens: int
 
 
+def logged_fields(log: str, message: str) -> list[dict[str, str]]:
+    """The fields of each line of the router's log that carries ``message``, in log order
+    (tracing prints ``message key=value ...``, colours stripped, quotes removed)."""
+    return [
+        {
+            key: value.strip('"')
+            for key, value in _FIELD.findall(_ANSI.sub("", line).split(message, 1)[1])
+        }
+        for line in log.splitlines()
+        if message in line
+    ]
+
+
 def router_decisions(log: str) -> list[RouterDecision]:
     """The router's scored decisions (outcome ``prefix_cost``), in log order."""
     found = []
-    for line in log.splitlines():
-        if DECISION not in line:
-            continue
-        fields = {
-            key: value.strip('"')
-            for key, value in _FIELD.findall(_ANSI.sub("", line).split(DECISION, 1)[1])
-        }
+    for fields in logged_fields(log, DECISION):
         if fields.get("outcome") != "prefix_cost":
             continue  # a request without tokens (the load test's start-up probes)
         found.append(
@@ -441,11 +448,7 @@ def cache_aware_placement(
     prefix decision`` lines (the selected worker), in sending order. The lines carry no
     prompt to match them by, so two requests sent within moments of each other may be paired
     the wrong way round; the placement's shares are exact either way."""
-    selected = []
-    for line in _ANSI.sub("", router_log).splitlines():
-        if CACHE_DECISION in line:
-            fields = dict(_FIELD.findall(line.split(CACHE_DECISION, 1)[1]))
-            selected.append(fields.get("selected", "").strip('"'))
+    selected = [fields.get("selected", "") for fields in logged_fields(router_log, CACHE_DECISION)]
     answered = sorted((row for row in rows if row["ok"]), key=lambda row: row["sent_wall"])
     if len(selected) != len(answered):
         raise DecisionRecordError(

@@ -757,7 +757,7 @@ def replay_pair(
         decisions = record.write(run_dir, eviction, events.snapshot(), router_log)
         refit = decisions["at_measured_service_times"]
         placed = decisions["on_recorded_placement"]
-        joined = f"{describe_decisions(decisions)}; " if "rule_agrees" in decisions else ""
+        joined = f"{describe_decisions(decisions)}; " if record.routing.policy == "kv_aware" else ""
         clock.step(
             f"{routing}/{eviction}: {joined}the model at the service times measured: hit "
             f"{_predicted_rate_of(refit)}, in flight {_flight(refit['in_flight'])}; on the "
