@@ -258,12 +258,21 @@ def test_the_manifests_are_admitted_and_kube_dns_has_its_fixed_address(kube: Kub
             .get("availableReplicas")
         ),
     )
-    slices = kube.get(
-        "endpointslices", "-n", "kube-system", "-l", "kubernetes.io/service-name=kube-dns"
+
+    # The EndpointSlice controller is not the Deployment's: it fills the slice's ports a moment
+    # after the pod is Ready, so the slice is waited for in its own right.
+    def slice_ports() -> set[tuple[str, int]]:
+        slices = kube.get(
+            "endpointslices", "-n", "kube-system", "-l", "kubernetes.io/service-name=kube-dns"
+        )
+        items = (slices or {}).get("items", [])
+        return {(p["name"], p["port"]) for s in items for p in s.get("ports") or []}
+
+    wait_for(
+        "kube-dns's EndpointSlice to name its DNS ports",
+        lambda: {("dns", CONTAINER_DNS_PORT), ("dns-tcp", CONTAINER_DNS_PORT)} <= slice_ports(),
+        detail=slice_ports,
     )
-    assert slices is not None
-    ports = {(p["name"], p["port"]) for s in slices["items"] for p in s.get("ports") or []}
-    assert ("dns", CONTAINER_DNS_PORT) in ports and ("dns-tcp", CONTAINER_DNS_PORT) in ports
 
 
 def test_service_names_resolve_to_their_cluster_ips(
