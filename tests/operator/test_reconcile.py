@@ -107,9 +107,8 @@ def test_report_keeps_the_readings_of_pods_that_still_exist() -> None:
     )
     previous = {"a": reading(1, 2), "gone": reading(1, 1)}
     result = report(
-        Applied(None, "spec.replicas: bad"),
+        Applied(2, None, "spec.replicas: bad"),
         observed,
-        generation=2,
         previous_status=None,
         previous_readings=previous,
         endpoints=(),
@@ -144,6 +143,30 @@ async def test_a_stalled_scrape_does_not_hold_up_a_repair() -> None:
     await asyncio.wait_for(passing, DEADLINE_S)
     assert patch.status["activePolicy"] == "LRU"
     assert set(memo["readings"]) == {"pod-0"}
+
+
+@pytest.mark.asyncio
+async def test_a_pass_reports_the_generation_whose_spec_it_applied() -> None:
+    """kopf replaces a handler's live body when a newer event arrives mid-pass (here during
+    the scrape): the status still describes what this pass applied, generation 1."""
+    api, pods = FakeApi(), StalledPods()
+    runtime = Runtime(config=OperatorConfig(), api=api, http=pods)  # type: ignore[arg-type]
+    owner = make_servingpolicy("demo", make_spec(policy="LRU"))
+    body, patch = kopf.Body(owner), kopf.Patch()
+    passing = asyncio.create_task(
+        reconcile(
+            body=body, spec=body.spec, status=body.status, patch=patch,
+            memo=kopf.Memo(runtime=runtime), logger=logger_of(body), endpoints=(),
+            router_present=frozenset(), strict=False,
+        )
+    )  # fmt: skip
+    await asyncio.wait_for(pods.asked.wait(), DEADLINE_S)
+    body._replace_with(make_servingpolicy("demo", make_spec(policy="ARC"), generation=2))
+    assert body.meta["generation"] == 2 and body.spec["policy"] == "ARC"
+    pods.answer.set()
+    await asyncio.wait_for(passing, DEADLINE_S)
+    assert patch.status["observedGeneration"] == 1
+    assert {c["observedGeneration"] for c in patch.status["conditions"]} == {1}
 
 
 @pytest.mark.asyncio

@@ -200,10 +200,17 @@ class Runtime:
 
 @dataclass(frozen=True, slots=True)
 class Applied:
-    """What the apply step did. ``spec`` is the spec the children now follow; it is None
-    exactly when ``error`` says why it was not acted on, ``reason`` being ``InvalidSpec``
-    (nothing applied) or ``ApplyRejected`` (the API server refused a child)."""
+    """What the apply step did to the object at ``generation``. ``spec`` is the spec the
+    children now follow; it is None exactly when ``error`` says why it was not acted on,
+    ``reason`` being ``InvalidSpec`` (nothing applied) or ``ApplyRejected`` (the API server
+    refused a child).
 
+    Invariant: ``generation`` is the one the spec was read at. kopf hands a handler the
+    object's live body, which a newer event replaces while the pass awaits, so the status
+    reports this generation, never the body's at report time.
+    """
+
+    generation: int | None
     spec: ServingPolicySpec | None
     error: str | None = None
     reason: str = INVALID_SPEC
@@ -364,20 +371,22 @@ async def apply(
     """Step 1: the children of ``body`` brought to ``spec``. A refused child is an
     ``ApplyRejected`` result; a transient API error propagates (ApiError)."""
     name, namespace = body.meta.name or "", body.meta.namespace or ""
+    # Read with the spec, before the first await: the body is live.
+    generation = body.meta.get("generation")
     try:
         parsed = parse_spec(spec)
     except SpecError as problem:
-        return Applied(None, str(problem))
+        return Applied(generation, None, str(problem))
     try:
         await apply_children(runtime, body, parsed, endpoints, logger)
         await delete_stale_router_children(runtime, namespace, name, parsed, router_present, logger)
     except SpecError as problem:
-        return Applied(None, str(problem))
+        return Applied(generation, None, str(problem))
     except ApiError as problem:
         if not rejected(problem):
             raise
-        return Applied(None, str(problem), APPLY_REJECTED)
-    return Applied(parsed)
+        return Applied(generation, None, str(problem), APPLY_REJECTED)
+    return Applied(generation, parsed)
 
 
 async def observe(runtime: Runtime, namespace: str, name: str, applied: Applied) -> Observed:
@@ -402,7 +411,6 @@ def report(
     applied: Applied,
     observed: Observed,
     *,
-    generation: int | None,
     previous_status: Mapping[str, Any] | None,
     previous_readings: Mapping[str, PodMetrics],
     endpoints: tuple[mf.Endpoint, ...],
@@ -411,7 +419,7 @@ def report(
     """Step 3: the status patch, the hit rates taken against ``previous_readings``."""
     scraped = observed.scraped
     seen = Observation(
-        generation=generation,
+        generation=applied.generation,
         spec=applied.spec,
         error=applied.error,
         rollout=observed.rollout,
@@ -463,7 +471,6 @@ async def reconcile(
             result = report(
                 applied,
                 observed,
-                generation=body.meta.get("generation"),
                 previous_status=status,
                 previous_readings=memo.get("readings", {}),
                 endpoints=endpoints,
