@@ -94,6 +94,21 @@ def logged_fields(log: str, message: str) -> list[dict[str, str]]:
     ]
 
 
+def answered_in_sending_order(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The answered requests of a replay's ``results.jsonl`` rows, in the order they were
+    sent: the order the router logged its decisions in."""
+    return sorted((row for row in rows if row["ok"]), key=lambda row: row["sent_wall"])
+
+
+def server_of(url: str, worker_urls: Sequence[str]) -> int:
+    """The server index of the worker ``url`` the router chose (``worker_urls`` in server
+    order); DecisionRecordError if it is none of them."""
+    try:
+        return list(worker_urls).index(url)
+    except ValueError:
+        raise DecisionRecordError(f"the router chose {url!r}, not a server") from None
+
+
 def router_decisions(log: str) -> list[RouterDecision]:
     """The router's scored decisions (outcome ``prefix_cost``), in log order."""
     found = []
@@ -287,7 +302,7 @@ def join_decisions(
     records do not join.
     """
     by_index = {request.index: request for request in requests}
-    answered = sorted((row for row in rows if row["ok"]), key=lambda row: row["sent_wall"])
+    answered = answered_in_sending_order(rows)
     decisions = _match(answered, router_decisions(router_log))
     servers = len(worker_urls)
     published_state = _Published(servers, batches, block)
@@ -296,9 +311,7 @@ def join_decisions(
     earlier: list[_Routed] = []
     out = []
     for row, decision in zip(answered, decisions, strict=True):
-        if decision.worker not in worker_urls:
-            raise DecisionRecordError(f"the router chose {decision.worker}, not a server")
-        worker = list(worker_urls).index(decision.worker)
+        worker = server_of(decision.worker, worker_urls)
         now = row["sent_wall"]
         request = by_index[row["index"]]
         tokens = prompt(request)
@@ -449,18 +462,16 @@ def cache_aware_placement(
     prompt to match them by, so two requests sent within moments of each other may be paired
     the wrong way round; the placement's shares are exact either way."""
     selected = [fields.get("selected", "") for fields in logged_fields(router_log, CACHE_DECISION)]
-    answered = sorted((row for row in rows if row["ok"]), key=lambda row: row["sent_wall"])
+    answered = answered_in_sending_order(rows)
     if len(selected) != len(answered):
         raise DecisionRecordError(
             f"the router logged {len(selected)} cache_aware decisions for "
             f"{len(answered)} answered requests"
         )
-    placement = {}
-    for row, url in zip(answered, selected, strict=True):
-        if url not in worker_urls:
-            raise DecisionRecordError(f"the router chose {url!r}, not a server")
-        placement[row["index"]] = list(worker_urls).index(url)
-    return placement
+    return {
+        row["index"]: server_of(url, worker_urls)
+        for row, url in zip(answered, selected, strict=True)
+    }
 
 
 def summarise(decisions: Sequence[Decision]) -> dict[str, Any]:
