@@ -56,7 +56,8 @@ def test_session_id_follows_a_parent_outside_the_trace() -> None:
 
 def test_mooncake_session_id_follows_the_conversations_chain_of_blocks(tmp_path: Path) -> None:
     # Two conversations open with the same system-prompt block 3; each later turn repeats its
-    # conversation's earlier prompt (full blocks) and adds to it.
+    # conversation's earlier prompt (full blocks) and adds to it. The last request has no full
+    # block and opens a conversation of its own.
     records = [
         {"timestamp": 0, "input_length": 70, "output_length": 1, "hash_ids": [3, 4, 5]},
         {"timestamp": 1, "input_length": 70, "output_length": 1, "hash_ids": [3, 6, 7]},
@@ -67,7 +68,7 @@ def test_mooncake_session_id_follows_the_conversations_chain_of_blocks(tmp_path:
     ]
     trace = load_trace(write_lines(tmp_path / "m.jsonl", records), block_tokens=32)
     keys = [p.session_id for p in plan_replay(trace, 1.0)]
-    assert keys == ["chain:4", "chain:6", "chain:4", "chain:6", "chain:4", "chain:14"]
+    assert keys == ["line:1", "line:2", "line:1", "line:2", "line:1", "line:6"]
 
 
 def test_duplicate_chat_id_names_the_line() -> None:

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from arc_evictor.policies import make_policy
+from arc_serving_common.sessions import session_keys
 from arc_serving_common.traces import TraceRequest, load_trace
 from arc_simulator import MOONCAKE_SAMPLE
 from arc_simulator.cli import main
@@ -61,18 +62,25 @@ def _core(result) -> dict:
 
 
 class StubView:
-    """A fleet view with given loads, published prefixes and requests in prefill."""
+    """A fleet view with given loads, published prefixes and requests in prefill, over the
+    requests of ``trace`` (their session keys, as the client sends them)."""
 
     def __init__(
         self,
         loads: list[int],
         cached: list[int] | None = None,
         prefilling: list[set[int]] | None = None,
+        trace: Sequence[TraceRequest] = (),
     ) -> None:
         self.now = 0.0
         self.loads = loads
         self._cached = cached or [0] * len(loads)
         self.in_prefill = prefilling or [set() for _ in loads]
+        indexes = [request.index for request in trace]
+        self._sessions = dict(zip(indexes, session_keys(trace), strict=True))
+
+    def session_id(self, request: TraceRequest) -> str:
+        return self._sessions[request.index]
 
     def cached_prefix(self, replica: int, keys: Sequence[int]) -> int:
         return min(self._cached[replica], len(keys))
@@ -184,21 +192,30 @@ def test_round_robin_and_random_rules() -> None:
 
 def test_consistent_hash_keeps_a_conversation_on_one_replica() -> None:
     router = ConsistentHashRouter(8)
-    view = StubView([0] * 8)
     assert len(router._points) == 8 * ConsistentHashRouter.VIRTUAL_NODES
-    placed = {}
+    turns = {}
     for root in range(200):
-        turn1 = _request([root], chat_id=10_000 + root)
-        turn2 = _request([root, 1], chat_id=20_000 + root, parent_id=10_000 + root)
-        turn3 = _request([root, 1, 2], chat_id=30_000 + root, parent_id=20_000 + root)
-        replicas = {router.route(turn, view) for turn in (turn1, turn2, turn3)}
+        first, second, third = 3 * root, 3 * root + 1, 3 * root + 2  # trace indexes and chat ids
+        turns[root] = [
+            _request([root], index=first, chat_id=first),
+            _request([root, 1], index=second, chat_id=second, parent_id=first),
+            _request([root, 1, 2], index=third, chat_id=third, parent_id=second),
+        ]
+    trace = [turn for conversation in turns.values() for turn in conversation]
+    view = StubView([0] * 8, trace=trace)
+    placed = {}
+    for root, conversation in turns.items():
+        replicas = {router.route(turn, view) for turn in conversation}
         assert len(replicas) == 1
         placed[root] = replicas.pop()
     assert len(set(placed.values())) == 8  # 200 sessions reach every replica
-    # Unlinked (Mooncake) form: the key follows each conversation's own chain of blocks.
-    chains = ConsistentHashRouter(8)
-    assert chains.session_key(_request([7, 8])) == chains.session_key(_request([7, 8, 9]))
-    assert chains.session_key(_request([7, 8])) != chains.session_key(_request([7, 10]))
+    # Unlinked (Mooncake) form: the key follows each conversation's own chain of blocks, and
+    # block 7, which two conversations continue differently, joins neither to the first.
+    chain = [[7], [7, 8], [7, 8, 9], [7, 10]]
+    trace = [_request(keys, index=n, line=n + 1) for n, keys in enumerate(chain)]
+    chains = StubView([0] * 8, trace=trace)
+    keys = [chains.session_id(request) for request in trace]
+    assert keys == ["line:1", "line:2", "line:2", "line:4"]
 
 
 def test_cache_aware_follows_its_tree_until_the_fleet_is_imbalanced() -> None:
@@ -365,22 +382,24 @@ def test_a_bad_router_temperature_is_refused_naming_the_option(temperature) -> N
 
 def test_kv_aware_session_affinity_keeps_a_session_where_it_went_whatever_the_cost() -> None:
     router = KvAwareRouter(2, affinity_ttl_s=30)
-    view = StubView([0, 0])
     opening = _request([1, 2], index=0, chat_id=7)
+    follow_up = _request([1, 2, 3], index=1, chat_id=8, parent_id=7)
+    other = _request([1, 2, 3], index=2, chat_id=9)
+    late = _request([1, 2, 3, 4], index=3, chat_id=10, parent_id=8)
+    trace = [opening, follow_up, other, late]
+    view = StubView([0, 0], trace=trace)
     assert router.route(opening, view) == 0  # a session's first request: the cost rule
     # Its next turn goes back to replica 0 though replica 1 holds the whole prompt and is idle.
-    view = StubView([5, 0], cached=[0, 3])
+    view = StubView([5, 0], cached=[0, 3], trace=trace)
     view.now = 29.0
-    follow_up = _request([1, 2, 3], index=1, chat_id=8, parent_id=7)
     assert router.route(follow_up, view) == 0
     # Another session takes the cost rule; so does this one after a pause beyond the TTL.
-    assert router.route(_request([1, 2, 3], index=2, chat_id=9), view) == 1
+    assert router.route(other, view) == 1
     view.now = 59.5
-    late = _request([1, 2, 3, 4], index=3, chat_id=10, parent_id=8)
     assert router.route(late, view) == 1
     # Without the TTL the same follow-up takes the cost rule.
     plain = KvAwareRouter(2)
-    assert plain.route(opening, StubView([0, 0])) == 0
+    assert plain.route(opening, StubView([0, 0], trace=trace)) == 0
     assert plain.route(follow_up, view) == 1
 
 

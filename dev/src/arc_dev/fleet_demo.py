@@ -452,7 +452,8 @@ def mixed_requests(
     chats = conversation(conversation_params)
     offset = max(request.chat_id for request in chats) + 1
     questions = [
-        replace(request, chat_id=offset + request.chat_id) for request in docqa(docqa_params)
+        replace(request, chat_id=offset + request.chat_id, session=offset + request.session)
+        for request in docqa(docqa_params)
     ]
     return sorted(chats + questions, key=lambda request: (request.timestamp_s, request.chat_id))
 

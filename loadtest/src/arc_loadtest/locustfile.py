@@ -69,6 +69,7 @@ from arc_loadtest.replay import (
 from arc_loadtest.schedule import Dispatcher, DispatchTiming, PlannedRequest, partition
 from arc_loadtest.stream import StreamError, StreamStats, completion_body
 from arc_loadtest.tokens import TokenMapper, Vocabulary, VocabularyError
+from arc_serving_common.sessions import crowded_session_warning
 from arc_serving_common.traces import FORMATS, TraceError
 
 log = logging.getLogger("loadtest")
@@ -474,6 +475,11 @@ def _on_init(environment: Environment, **_: Any) -> None:
         log.error("bad option, nothing sent: %s", error)
         sys.exit(1)
     log.info("trace %s: %d requests", replay.settings.trace, len(replay.plan))
+    crowded = crowded_session_warning(
+        [planned.session_id for planned in replay.plan], replay.settings.trace
+    )
+    if crowded is not None:
+        log.warning("%s", crowded)
     if isinstance(runner, MasterRunner):
         runner.register_message("replay_row", _on_row)
         runner.register_message("replay_done", _on_done)

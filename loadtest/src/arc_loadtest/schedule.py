@@ -31,7 +31,7 @@ import gevent
 import gevent.event
 import gevent.pool
 
-from arc_serving_common.sessions import SessionKeys
+from arc_serving_common.sessions import session_keys
 from arc_serving_common.traces import TraceError, TraceRequest
 
 
@@ -43,7 +43,7 @@ class PlannedRequest:
     due_s: float  # seconds after the replay's start
     parent: int | None  # index of the earlier turn that must finish first
     session: int  # index of the session's first request
-    session_id: str  # the X-Session-ID header: arc_serving_common.sessions.SessionKeys
+    session_id: str  # the X-Session-ID header: arc_serving_common.sessions.session_keys
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,9 +79,9 @@ def plan_replay(
     by_chat: dict[int, TraceRequest] = {}
     later_chats = {r.chat_id for r in requests if r.chat_id is not None}
     sessions: dict[int, int] = {}  # request index -> session root index
-    session_keys = SessionKeys()
+    session_ids = session_keys(requests)
     plan = []
-    for request in requests:
+    for request, session_id in zip(requests, session_ids, strict=True):
         parent: int | None = None
         if request.parent_id is not None:
             earlier = by_chat.get(request.parent_id)
@@ -107,7 +107,7 @@ def plan_replay(
                 due_s=(request.timestamp_s - start) * time_scale,
                 parent=parent,
                 session=sessions[request.index],
-                session_id=session_keys.key(request),
+                session_id=session_id,
             )
         )
     return plan

@@ -10,6 +10,7 @@ generate workloads, evaluate the policies and study scaling.
     arc-evictor scale [--out out/scale] [--replicas 1,2,4,8,16,32] [--router ...] [--trace ...]
                       [--time-scale F] [--prefill-tokens-per-second R] ...
     arc-evictor generate docqa|conversation --out FILE [--form bailian] [--seed 0] ...
+    arc-evictor sessions TRACE [--json]
     arc-evictor evaluate [--out out/evaluate] [--seeds 0,1,2] [--capacity 5,10,20,40] [--check]
 
 Bad input (an unknown policy, a malformed trace line, a bad capacity, an unknown
@@ -17,7 +18,9 @@ flag) prints one line naming the problem to stderr and exits with status 2 befor
 any work, creating or changing no file or folder.
 
 ``simulate`` and ``scale`` print a warning to stderr when the offered load exceeds what
-the replicas serve (``scaling.overload_warnings``).
+the replicas serve (``scaling.overload_warnings``), and when a router that keeps a session
+on one replica runs on a trace whose largest session holds more than a quarter of its
+requests (``routing.crowded_session``).
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from arc_simulator.generate import (
     write_generated,
 )
 from arc_simulator.report import plot, table, to_json
-from arc_simulator.routing import check_router, router_names
+from arc_simulator.routing import check_router, crowded_session, router_names
 from arc_simulator.scaling import (
     add_load_arguments,
     add_scale_command,
@@ -47,6 +50,7 @@ from arc_simulator.scaling import (
     overload_warnings,
     time_scale_from_args,
 )
+from arc_simulator.session_check import add_sessions_command
 from arc_simulator.simulate import build_policy, simulator_policy_names, sweep, time_scaled
 
 
@@ -123,6 +127,9 @@ def _simulate(args: argparse.Namespace) -> int:
     )
     distinct = len({key for request in requests for key in request.keys})
     capacities = parse_capacities(args.capacity, distinct)
+    crowded = crowded_session(requests, str(args.trace), routers, args.session_affinity_ttl)
+    if crowded is not None:
+        print(f"arc-evictor: warning: {crowded}", file=sys.stderr)
     if routers:
         results = fleet_sweep(
             requests,
@@ -307,6 +314,7 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.set_defaults(run=_evaluate)
 
     add_scale_command(commands)
+    add_sessions_command(commands)
     return parser
 
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
+from arc_serving_common.sessions import session_keys
 from arc_serving_common.traces import TraceRequest
 from arc_simulator.belady import Belady
 from arc_simulator.routing import (
@@ -58,11 +59,25 @@ from arc_simulator.simulate import (
 
 
 class _View:
-    """The fleet as a router sees it; see ``routing.FleetView``."""
+    """The fleet as a router sees it; see ``routing.FleetView``.
 
-    def __init__(self, replicas: Sequence[Replica]) -> None:
+    Invariant: ``_sessions`` is empty or maps the trace index of every request of the run to
+    its session key; it is filled at the first ``session_id``, since most routers ask none.
+    """
+
+    def __init__(self, replicas: Sequence[Replica], requests: Sequence[TraceRequest]) -> None:
         self._replicas = replicas
+        self._requests = requests
+        self._sessions: dict[int, str] = {}
         self.now = 0.0
+
+    def session_id(self, request: TraceRequest) -> str:
+        if not self._sessions:
+            keys = session_keys(self._requests)
+            self._sessions = {
+                each.index: key for each, key in zip(self._requests, keys, strict=True)
+            }
+        return self._sessions[request.index]
 
     @property
     def loads(self) -> list[int]:
@@ -179,7 +194,7 @@ def simulate_routed(
         Replica.of(build_policy(policy_name, capacity, requests), mode, cost, routed=replicas > 1)
         for _ in range(replicas)
     ]
-    view = _View(fleet)
+    view = _View(fleet, requests)
     decisions: list[int] = []
 
     def route(request: TraceRequest) -> int:

@@ -19,7 +19,13 @@ tail streams through the cache once.
 
 Multi-turn conversation: sessions arrive at random; each picks a shared system
 prompt (Zipf over a few), and turn n+1's prompt is turn n's prompt, its answer
-and a new user message; turns are separated by a think time.
+and a new user message; turns are separated by a think time. A share of the
+sessions can open with one of a few popular first questions (Zipf), word for word.
+
+The Mooncake form links no turns; each of its records carries the request's true
+session (``true_session``: the conversation, or the question in document QA), a
+field trace readers ignore, so a test can hold the sessions a reader infers
+(``arc_serving_common.sessions``) to the truth.
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ class GeneratedRequest:
     segments: tuple[Segment, ...]
     output_length: int
     chat_id: int
+    session: int  # the conversation (document QA: the question) the request belongs to
     parent_id: int | None = None
     turn: int = 1
 
@@ -73,7 +80,12 @@ class DocQAParams:
 
 @dataclass(frozen=True, slots=True)
 class ConversationParams:
-    """Multi-turn chat: sessions, shared system prompts, think time between turns."""
+    """Multi-turn chat: sessions, shared system prompts, think time between turns.
+
+    ``first_user_tokens`` is the mean length of a session's first question (0: ``user_tokens``);
+    a share ``popular_first_share`` of the sessions asks, as its first question, one of
+    ``popular_questions`` questions (Zipf), the same tokens in every session that asks it.
+    """
 
     sessions: int = 400
     system_prompts: int = 8
@@ -81,6 +93,9 @@ class ConversationParams:
     mean_turns: float = 4.0  # at least 1; capped by max_turns
     max_turns: int = 12
     user_tokens: int = 200
+    first_user_tokens: int = 0
+    popular_first_share: float = 0.0
+    popular_questions: int = 20
     output_tokens: int = 150
     think_time_s: float = 20.0
     sessions_per_second: float = 1.0
@@ -163,7 +178,7 @@ def docqa(params: DocQAParams) -> list[GeneratedRequest]:
         segments.append((f"doc{document}", lengths[document]))
         segments.append((f"question{index}", _vary(rng, params.question_tokens)))
         requests.append(
-            GeneratedRequest(now, tuple(segments), _vary(rng, params.output_tokens), index)
+            GeneratedRequest(now, tuple(segments), _vary(rng, params.output_tokens), index, index)
         )
     return requests
 
@@ -174,12 +189,30 @@ def conversation(params: ConversationParams) -> list[GeneratedRequest]:
     _check_positive(params, ("max_turns", "user_tokens", "output_tokens", "sessions_per_second"))
     if not (params.think_time_s >= 0 and math.isfinite(params.think_time_s)):
         raise ValueError(f"think_time_s must be a finite number >= 0, got {params.think_time_s}")
+    _check_positive(params, ("popular_questions",))
+    if params.first_user_tokens < 0:
+        raise ValueError(f"first_user_tokens must be >= 0, got {params.first_user_tokens}")
+    if not 0 <= params.popular_first_share <= 1:
+        raise ValueError(
+            f"popular_first_share must be between 0 and 1, got {params.popular_first_share}"
+        )
     _check_at_most(params, ("sessions", "system_prompts", "max_turns"), MAX_COUNT)
+    _check_at_most(params, ("popular_questions",), MAX_COUNT)
     _check_at_most(params, ("system_tokens", "user_tokens", "output_tokens"), MAX_TOKENS)
+    _check_at_most(params, ("first_user_tokens",), MAX_TOKENS)
     if params.sessions * min(params.max_turns, params.mean_turns) > MAX_REQUESTS:
         raise ValueError(f"sessions * min(max_turns, mean_turns) must be at most {MAX_REQUESTS:,}")
     rng = random.Random(params.seed)
     cumulative = _zipf_sampler(rng, params.system_prompts, 1.0)
+    first_tokens = params.first_user_tokens or params.user_tokens
+    # Drawn only when asked for, so the same seed gives the same trace as before without them.
+    popular: list[Segment] = []
+    popularity: list[float] = []
+    if params.popular_first_share > 0:
+        popular = [
+            (f"popular{n}", _vary(rng, first_tokens)) for n in range(params.popular_questions)
+        ]
+        popularity = _zipf_sampler(rng, params.popular_questions, 1.0)
     requests = []
     chat_id = 0
     start = 0.0
@@ -194,9 +227,15 @@ def conversation(params: ConversationParams) -> list[GeneratedRequest]:
         now = start
         parent = None
         for turn in range(1, turns + 1):
-            context.append((f"s{session}user{turn}", _vary(rng, params.user_tokens)))
+            if turn == 1 and popular and rng.random() < params.popular_first_share:
+                context.append(popular[_draw(rng, popularity)])
+            else:
+                mean = first_tokens if turn == 1 else params.user_tokens
+                context.append((f"s{session}user{turn}", _vary(rng, mean)))
             output = _vary(rng, params.output_tokens)
-            requests.append(GeneratedRequest(now, tuple(context), output, chat_id, parent, turn))
+            requests.append(
+                GeneratedRequest(now, tuple(context), output, chat_id, session, parent, turn)
+            )
             context.append((f"s{session}answer{turn}", output))
             parent = chat_id
             chat_id += 1
@@ -258,6 +297,7 @@ def to_records(
                 "input_length": request.input_length,
                 "output_length": request.output_length,
                 "hash_ids": ids,
+                "true_session": request.session,
             }
         else:
             yield {

@@ -5,7 +5,8 @@ fleet can know at that moment, handed to it as a ``FleetView``: the simulated
 clock, each replica's load (requests routed to it and not yet finished, the
 router's ``Worker::load``) and, for ``kv_aware`` only, each replica's cached
 prefix as vLLM's KV-cache events have reported it and which requests routed to
-it are still in prefill. Routers never see later requests.
+it are still in prefill, and the request's ``X-Session-ID`` header (set by the client,
+which knows the whole trace). Routers never see later requests.
 
 The rules follow the vLLM router's policies (repository vllm-project/router,
 ``src/policies/*.rs``; defaults from its ``vllm-router`` command line, ``src/main.rs``):
@@ -21,9 +22,9 @@ The rules follow the vLLM router's policies (repository vllm-project/router,
   The session key stands in for the
   router's ``X-Session-ID`` header and is the one the load test sends
   (``arc_serving_common.sessions``): the conversation's root chat id where the
-  trace links turns (``parent_chat_id``), else the conversation found by its own
-  chain of blocks, so two conversations that only share an opening (a system
-  prompt) are two sessions.
+  trace links turns (``parent_chat_id``), else the conversation found from the
+  trace's tree of full blocks, so conversations that only share an opening (a
+  system prompt) are different sessions.
 - ``cache_aware`` (``cache_aware.rs``, the approximate policy): the fleet is
   imbalanced when ``max_load - min_load > balance_abs_threshold`` and
   ``max_load > min_load * balance_rel_threshold``; then the request goes to the
@@ -97,7 +98,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from arc_serving_common.names import MAX_SESSION_AFFINITY_TTL_S
-from arc_serving_common.sessions import SessionKeys
+from arc_serving_common.sessions import crowded_session_warning, session_keys
 from arc_serving_common.traces import TraceRequest
 from arc_simulator.ring_hash import fbi_hash
 
@@ -128,6 +129,11 @@ class FleetView(Protocol):
     def prefilling(self, replica: int) -> Collection[int]:
         """Trace indexes of the requests routed to the replica whose prefill has not
         completed by now (queued ones included)."""
+        ...
+
+    def session_id(self, request: TraceRequest) -> str:
+        """The request's ``X-Session-ID`` header: its conversation's key over the whole
+        trace (``arc_serving_common.sessions``), which the client, not the router, knows."""
         ...
 
 
@@ -182,7 +188,6 @@ class ConsistentHashRouter:
 
     Invariant: ``_points`` is sorted and ``_owners[i]`` owns ``_points[i]``; a point two
     workers' virtual nodes share belongs to the later worker, as in the router's map.
-    ``_sessions`` has seen every request routed so far, in order.
     """
 
     name = "consistent_hash"
@@ -201,11 +206,6 @@ class ConsistentHashRouter:
         }
         self._points = sorted(ring)
         self._owners = [ring[point] for point in self._points]
-        self._sessions = SessionKeys()
-
-    def session_key(self, request: TraceRequest) -> str:
-        """The request's conversation, as the load test's ``X-Session-ID`` names it."""
-        return self._sessions.key(request)
 
     def worker_for_key(self, key: str) -> int:
         """The replica whose virtual node is the first at or after ``key``'s hash."""
@@ -213,7 +213,7 @@ class ConsistentHashRouter:
         return self._owners[position % len(self._points)]
 
     def route(self, request: TraceRequest, view: FleetView) -> int:
-        return self.worker_for_key(SESSION_HEADER_KEY + self.session_key(request))
+        return self.worker_for_key(SESSION_HEADER_KEY + view.session_id(request))
 
 
 def default_worker_urls(replicas: int) -> list[str]:
@@ -375,7 +375,6 @@ class KvAwareRouter:
         self.affinity_ttl_s = affinity_ttl_s
         self._rng = random.Random(seed)
         self._in_flight: list[dict[int, int]] = [{} for _ in range(replicas)]
-        self._sessions = SessionKeys()
         self._affinity: dict[str, tuple[int, float]] = {}
 
     def costs(self, request: TraceRequest, view: FleetView) -> list[tuple[int, int]]:
@@ -404,7 +403,7 @@ class KvAwareRouter:
         if self.affinity_ttl_s is None:
             chosen = self._least_cost(scored)
         else:
-            session = self._sessions.key(request)
+            session = view.session_id(request)
             held = self._affinity.get(session)
             if held is not None and view.now - held[1] <= self.affinity_ttl_s:
                 chosen = held[0]
@@ -507,6 +506,27 @@ ROUTERS: dict[str, RouterFactory] = {
 
 # The proposal is the simulator's own; a study of the vLLM router's policies leaves it out.
 PROPOSALS = ("bounded_prefix",)
+
+
+def uses_sessions(name: str, affinity_ttl_s: int | None = None) -> bool:
+    """Whether router ``name`` keeps a session on one replica (keys on ``X-Session-ID``)."""
+    router = name.strip().lower()
+    return router == ConsistentHashRouter.name or (
+        router == KvAwareRouter.name and affinity_ttl_s is not None
+    )
+
+
+def crowded_session(
+    requests: Sequence[TraceRequest],
+    trace: str,
+    routers: Sequence[str],
+    affinity_ttl_s: int | None = None,
+) -> str | None:
+    """``crowded_session_warning`` for a run of ``routers`` on ``requests`` (trace ``trace``);
+    None unless one of them keeps a session on one replica."""
+    if not any(uses_sessions(name, affinity_ttl_s) for name in routers):
+        return None
+    return crowded_session_warning(session_keys(requests), trace)
 
 
 def router_names() -> list[str]:

@@ -88,6 +88,7 @@ from arc_simulator.routing import (
     RoutingError,
     check_replicas,
     check_router,
+    crowded_session,
     vllm_router_names,
 )
 from arc_simulator.simulate import (
@@ -195,6 +196,9 @@ def run_study(
         distinct = len({key for request in requests for key in request.keys})
         if progress:
             progress(f"{trace}: {len(requests):,} requests, {distinct:,} distinct blocks")
+        crowded = crowded_session(requests, trace, config.routers, config.affinity_ttl_s)
+        if crowded is not None:
+            print(f"arc-evictor: warning: {crowded}", file=sys.stderr)
         for cache_size in config.cache_sizes:
             for replicas in config.replicas:
                 capacity = per_replica_capacity(
