@@ -100,11 +100,12 @@ def _generated(tmp_path: Path, **params) -> Path:
 # its turns spread among thousands of others' (a think time of 5 minutes at 4 new
 # conversations a second).
 SHAPE = {"system_tokens": 512, "sessions_per_second": 4.0, "think_time_s": 300.0}
+GENERATED = pytest.mark.parametrize(
+    ("sessions", "system_prompts", "seed"), itertools.product([10, 300, 5000], [1, 8], [0, 1, 2])
+)
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
-@pytest.mark.parametrize("system_prompts", [1, 8])
-@pytest.mark.parametrize("sessions", [10, 300, 5000])
+@GENERATED
 def test_keys_equal_the_truth_when_every_first_turn_goes_past_the_opening(
     tmp_path: Path, seed: int, system_prompts: int, sessions: int
 ) -> None:
@@ -118,15 +119,13 @@ def test_keys_equal_the_truth_when_every_first_turn_goes_past_the_opening(
     assert (report.wrongly_together, report.wrongly_apart, report.keys) == (0, 0, sessions)
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
-@pytest.mark.parametrize("system_prompts", [1, 8])
-@pytest.mark.parametrize("sessions", [10, 300, 5000])
+@GENERATED
 def test_only_prompts_other_conversations_share_are_placed_wrong_and_they_are_rare(
     tmp_path: Path, seed: int, system_prompts: int, sessions: int
 ) -> None:
-    # First questions of 500 to 1,500 tokens (some end inside the system prompt's block's
-    # successor: the opening plus a partial block), and 2% of the conversations open with one
-    # of 20 popular questions, word for word.
+    # First questions of 500 to 1,500 tokens (1.2% of them shorter than a block: those first
+    # turns are the system prompt and a partial block), and 2% of the conversations open with
+    # one of 20 popular questions, word for word.
     path = _generated(
         tmp_path, sessions=sessions, system_prompts=system_prompts, first_user_tokens=1000,
         popular_first_share=0.02, seed=seed, **SHAPE,

@@ -446,8 +446,8 @@ def mixed_requests(
 ) -> list[GeneratedRequest]:
     """Conversations and document QA interleaved by arrival time.
 
-    Document-QA chat ids follow the conversations' (each question is its own root), so every
-    chat id is unique and every conversation keeps its ``parent_chat_id`` links.
+    Document-QA chat ids and true sessions follow the conversations' (each question is its own
+    root), so every chat id is unique and every conversation keeps its ``parent_chat_id`` links.
     """
     chats = conversation(conversation_params)
     offset = max(request.chat_id for request in chats) + 1
