@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import sys
 import time
 from collections.abc import Sequence
@@ -63,6 +64,8 @@ class BatchRun:
     output_tokens: int
     preemptions: int  # vLLM's count over the run's requests (each re-admission is re-queried)
     wall_s: float
+    cpu_s: float  # the engine's CPU time (every thread), which other load does not inflate
+    load_average: float  # 1-minute load average at the run's end: latencies depend on it
     ttft_s: list[float]  # per prompt, in the set's order: arrival to first token
     e2e_s: list[float]  # arrival to last token
 
@@ -151,9 +154,9 @@ class BatchEngine:
         """``prepare(name)``, then generate every prompt at once and count what happened."""
         self.prepare(name)
         before = self.counters()
-        started = time.monotonic()
+        started, cpu_started = time.monotonic(), cpu_seconds()
         outputs = self.generate(prompts, [request.output_length for request in requests])
-        wall_s = time.monotonic() - started
+        wall_s, cpu_s = time.monotonic() - started, cpu_seconds() - cpu_started
         after = self.counters()
         for request, output in zip(requests, outputs, strict=True):
             produced = len(output.outputs[0].token_ids)
@@ -175,9 +178,17 @@ class BatchEngine:
         return BatchRun(
             name, max_num_seqs, len(outputs), queries, hits, cached_tokens,
             sum(len(output.outputs[0].token_ids) for output in outputs),
-            sum(output.metrics.num_preemptions for output in outputs), wall_s,
+            sum(output.metrics.num_preemptions for output in outputs), wall_s, cpu_s,
+            os.getloadavg()[0],
             list(ttft), list(e2e),
         )  # fmt: skip
+
+
+def cpu_seconds() -> float:
+    """User and system CPU time of this process, every thread: the engine core and its model
+    run here (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def latencies(output: Any) -> tuple[float, float]:
