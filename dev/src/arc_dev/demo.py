@@ -228,27 +228,71 @@ class PolicyRun:
 
 
 # ------------------------------------------------------------------------- arguments
+def policy_list(parser: argparse.ArgumentParser, text: str) -> tuple[str, ...]:
+    """The policy names of comma-separated ``text``, lower-cased; an unknown one stops the
+    command through ``parser.error`` (status 2) with the valid names."""
+    policies = tuple(name.strip().lower() for name in text.split(",") if name.strip())
+    valid = policy_names()
+    unknown = [name for name in policies if name not in valid]
+    if unknown:
+        parser.error(f"unknown policy {unknown[0]!r}; valid policies: {', '.join(valid)}")
+    return policies
+
+
+def add_run_arguments(
+    parser: argparse.ArgumentParser,
+    out: Path,
+    capacity_blocks: int,
+    seed: int,
+    *,
+    policies_help: str,
+) -> None:
+    """``--out``, ``--policies`` (default ``DEFAULT_POLICIES``), ``--capacity`` and ``--seed``
+    with these defaults (``policy_list`` and ``check_run_arguments`` check them)."""
+    parser.add_argument("--out", type=Path, default=out, help="output folder")
+    parser.add_argument(
+        "--policies",
+        default=",".join(DEFAULT_POLICIES),
+        help=f"{policies_help} (default: {','.join(DEFAULT_POLICIES)})",
+    )
+    parser.add_argument(
+        "--capacity",
+        type=int,
+        default=capacity_blocks,
+        help=f"cacheable blocks of {BLOCK_TOKENS} tokens (the engine gets one more, vLLM's "
+        f"null block; default {capacity_blocks})",
+    )
+    parser.add_argument("--seed", type=int, default=seed, help="trace seed")
+
+
+def check_run_arguments(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, max_model_len: int
+) -> None:
+    """``--capacity`` (one ``max_model_len`` request must fit), ``--seed`` and ``--out``, as
+    every demo that starts vLLM takes them; ``parser.error`` (status 2) names a bad one."""
+    min_capacity = -(-max_model_len // BLOCK_TOKENS)
+    if args.capacity < min_capacity:
+        parser.error(
+            f"--capacity must be at least {min_capacity} blocks (one {max_model_len}-token "
+            f"request must fit, or vLLM refuses to start), got {args.capacity}"
+        )
+    if args.seed < 0:
+        parser.error(f"--seed must be >= 0, got {args.seed}")
+    if args.out.exists() and not args.out.is_dir():
+        parser.error(f"--out {args.out} exists and is not a folder")
+
+
 def parse_args(argv: Sequence[str] | None = None) -> DemoSettings:
     """Parse and check the command line; exits with status 2 and a message on bad input."""
     parser = argparse.ArgumentParser(
         prog="python -m arc_dev.demo", description=__doc__.splitlines()[0]
     )
-    parser.add_argument("--out", type=Path, default=Path("out/demo"), help="output folder")
-    parser.add_argument(
-        "--policies",
-        default=",".join(DEFAULT_POLICIES),
-        help="comma-separated policies, replayed in this order; the first is the baseline "
-        f"the gains are measured against (default: {','.join(DEFAULT_POLICIES)})",
-    )
-    parser.add_argument(
-        "--capacity",
-        type=int,
-        default=CAPACITY_BLOCKS,
-        help=f"cacheable blocks of {BLOCK_TOKENS} tokens (the server gets one more, vLLM's "
-        f"null block; default {CAPACITY_BLOCKS})",
-    )
+    add_run_arguments(
+        parser, Path("out/demo"), CAPACITY_BLOCKS, TRACE.seed,
+        policies_help="comma-separated policies, replayed in this order; the first is the "
+        "baseline the gains are measured against",
+    )  # fmt: skip
     parser.add_argument("--time-scale", default="auto", help=TIME_SCALE_HELP)
-    parser.add_argument("--seed", type=int, default=TRACE.seed, help="trace seed")
     parser.add_argument(
         "--no-stock",
         action="store_true",
@@ -260,27 +304,14 @@ def parse_args(argv: Sequence[str] | None = None) -> DemoSettings:
         help="generate the trace and print the simulator's prediction, start no server",
     )
     args = parser.parse_args(argv)
-    policies = tuple(name.strip().lower() for name in args.policies.split(",") if name.strip())
-    valid = policy_names()
-    unknown = [name for name in policies if name not in valid]
-    if unknown:
-        parser.error(f"unknown policy {unknown[0]!r}; valid policies: {', '.join(valid)}")
+    policies = policy_list(parser, args.policies)
     if len(policies) < 2 or len(set(policies)) != len(policies):
         parser.error(f"--policies needs at least two distinct policies, got {args.policies!r}")
-    min_capacity = -(-MAX_MODEL_LEN // BLOCK_TOKENS)
-    if args.capacity < min_capacity:
-        parser.error(
-            f"--capacity must be at least {min_capacity} blocks (one {MAX_MODEL_LEN}-token "
-            f"request must fit, or vLLM refuses to start), got {args.capacity}"
-        )
+    check_run_arguments(parser, args, MAX_MODEL_LEN)
     try:
         time_scale = parse_time_scale(args.time_scale)
     except ValueError as exc:
         parser.error(str(exc))
-    if args.seed < 0:
-        parser.error(f"--seed must be >= 0, got {args.seed}")
-    if args.out.exists() and not args.out.is_dir():
-        parser.error(f"--out {args.out} exists and is not a folder")
     return DemoSettings(
         out=args.out,
         policies=policies,
@@ -568,6 +599,13 @@ def plot_comparison(
     ttft.legend(fontsize=8)
     for axes in (hits, ttft):
         axes.grid(axis="y", alpha=0.3)
+    return save_figure(figure, path, title)
+
+
+def save_figure(figure: Any, path: Path, title: str) -> Path:
+    """Title ``figure``, write it to ``path`` as PNG (folders made) and free it."""
+    import matplotlib.pyplot as plt
+
     figure.suptitle(title, fontsize=10)
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)

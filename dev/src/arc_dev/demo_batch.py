@@ -49,40 +49,39 @@ from typing import Any
 
 from arc_dev.demo import (
     BLOCK_TOKENS,
+    DEFAULT_POLICIES,
     MODEL,
     PLUGIN_ENV_PREFIX,
     POLL_MS,
     SERVER_NICE,
     STOCK,
+    TRACE,
     StepClock,
     _aligned,
     _percent,
+    add_run_arguments,
+    check_run_arguments,
+    policy_list,
+    save_figure,
     stop_on_sigterm,
 )
-from arc_evictor.policies import policy_names
 from arc_serving_common.names import CONFIG_ENV, POLL_MS_ENV, policy_file_text
 from arc_serving_common.traces import TraceRequest, load_trace
 from arc_simulator.generate import DocQAParams, docqa, write_generated
 from arc_simulator.simulate import CostModel, Replica, build_policy, replay_overlapping
 
-# 100 documents of ~256 tokens (4 to 12 blocks), 300 questions, Zipf 1.0, 2 output tokens on
-# average: every request is about 9 blocks. At 200 cached blocks (about 22 documents; seed 0
-# has 831 distinct blocks) the simulator predicts ARC 5.5 points above LRU one request at a
-# time (seeds 0-3: 3 to 8 points), and a batch of 64 pins the whole cache.
-BATCH_SET = DocQAParams(
-    documents=100,
-    document_tokens=256,
-    questions_per_document=3.0,
-    zipf_exponent=1.0,
-    question_tokens=32,
-    output_tokens=2,
-    requests_per_second=3.0,
-    seed=0,
-)
+# The demo's set with 100 documents of ~256 tokens (4 to 12 blocks), 300 questions, Zipf 1.0
+# and 2 output tokens on average: a request holds about 9 blocks. At 200 cached blocks (about
+# 22 documents; seed 0 has 831 distinct blocks) the simulator predicts ARC 5.5 points above LRU
+# one request at a time (seeds 0-3: 3 to 8 points); about 20 requests fill the cache, so at a
+# batch of 64 the cache, not max_num_seqs, bounds the requests in flight.
+BATCH_SET = replace(
+    TRACE, documents=100, document_tokens=256, questions_per_document=3.0,
+    zipf_exponent=1.0, output_tokens=2, seed=0,
+)  # fmt: skip
 CAPACITY_BLOCKS = 200
 MAX_MODEL_LEN = 1_024  # the longest prompt of the set is under 450 tokens
 DEFAULT_BATCH_SIZES = (1, 4, 16, 64)
-DEFAULT_POLICIES = ("lru", "arc", "trio")
 BASELINE = "lru"
 # Time in engine steps: admission and prefill in one step (its first token), then one decode
 # step per further output token. Only the order of admissions and releases matters here.
@@ -119,36 +118,22 @@ def parse_args(argv: Sequence[str] | None = None) -> BatchSettings:
     parser = argparse.ArgumentParser(
         prog="python -m arc_dev.demo_batch", description=__doc__.splitlines()[0]
     )
-    parser.add_argument("--out", type=Path, default=Path("out/demo-batch"), help="output folder")
-    parser.add_argument(
-        "--policies",
-        default=",".join(DEFAULT_POLICIES),
-        help=f"comma-separated policies, {BASELINE} among them (the baseline of the gains; "
-        f"default {','.join(DEFAULT_POLICIES)})",
-    )
+    add_run_arguments(
+        parser, Path("out/demo-batch"), CAPACITY_BLOCKS, BATCH_SET.seed,
+        policies_help=f"comma-separated policies, {BASELINE} (the gains' baseline) among them",
+    )  # fmt: skip
     parser.add_argument(
         "--batch-sizes",
         default=",".join(map(str, DEFAULT_BATCH_SIZES)),
         help="comma-separated max_num_seqs values, one engine each (default "
         f"{','.join(map(str, DEFAULT_BATCH_SIZES))})",
     )
-    parser.add_argument(
-        "--capacity",
-        type=int,
-        default=CAPACITY_BLOCKS,
-        help=f"cacheable blocks of {BLOCK_TOKENS} tokens (default {CAPACITY_BLOCKS})",
-    )
-    parser.add_argument("--seed", type=int, default=BATCH_SET.seed, help="set seed")
     parser.add_argument("--no-stock", action="store_true", help="skip the engines without plugin")
     parser.add_argument(
         "--simulate-only", action="store_true", help="print the prediction, start no engine"
     )
     args = parser.parse_args(argv)
-    policies = tuple(name.strip().lower() for name in args.policies.split(",") if name.strip())
-    valid = policy_names()
-    unknown = [name for name in policies if name not in valid]
-    if unknown:
-        parser.error(f"unknown policy {unknown[0]!r}; valid policies: {', '.join(valid)}")
+    policies = policy_list(parser, args.policies)
     if BASELINE not in policies or len(set(policies)) != len(policies):
         parser.error(f"--policies needs {BASELINE!r} and no repeats, got {args.policies!r}")
     try:
@@ -157,16 +142,7 @@ def parse_args(argv: Sequence[str] | None = None) -> BatchSettings:
         parser.error(f"--batch-sizes takes comma-separated integers, got {args.batch_sizes!r}")
     if not batch_sizes or min(batch_sizes) < 1 or len(set(batch_sizes)) != len(batch_sizes):
         parser.error(f"--batch-sizes needs distinct integers >= 1, got {args.batch_sizes!r}")
-    min_capacity = -(-MAX_MODEL_LEN // BLOCK_TOKENS)
-    if args.capacity < min_capacity:
-        parser.error(
-            f"--capacity must be at least {min_capacity} blocks (one {MAX_MODEL_LEN}-token "
-            f"request must fit, or vLLM refuses to start), got {args.capacity}"
-        )
-    if args.seed < 0:
-        parser.error(f"--seed must be >= 0, got {args.seed}")
-    if args.out.exists() and not args.out.is_dir():
-        parser.error(f"--out {args.out} exists and is not a folder")
+    check_run_arguments(parser, args, MAX_MODEL_LEN)
     return BatchSettings(
         out=args.out,
         policies=policies,
@@ -418,12 +394,7 @@ def plot_gains(gains: Sequence[BatchGain], path: Path, title: str) -> Path:
         axes.axhline(0, color="black", linewidth=0.6)
         axes.grid(alpha=0.3)
         axes.legend(fontsize=8)
-    figure.suptitle(title, fontsize=10)
-    figure.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
-    return path
+    return save_figure(figure, path, title)
 
 
 # --------------------------------------------------------------------------- main
@@ -502,8 +473,8 @@ def run_demo(settings: BatchSettings) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    settings = parse_args(argv)
-    stop_on_sigterm()
+    settings = parse_args(argv)  # bad arguments: status 2 before any file or engine
+    stop_on_sigterm()  # the engine process in flight is stopped with the demo
     return run_demo(settings)
 
 
