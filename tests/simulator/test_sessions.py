@@ -101,7 +101,8 @@ def _generated(tmp_path: Path, **params) -> Path:
 # conversations a second).
 SHAPE = {"system_tokens": 512, "sessions_per_second": 4.0, "think_time_s": 300.0}
 GENERATED = pytest.mark.parametrize(
-    ("sessions", "system_prompts", "seed"), itertools.product([10, 300, 5000], [1, 8], [0, 1, 2])
+    ("sessions", "system_prompts", "seed"),
+    list(itertools.product([10, 300, 5000], [1, 8], [0, 1, 2])),
 )
 
 
