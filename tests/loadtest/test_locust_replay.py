@@ -82,6 +82,9 @@ def test_replay_answers_every_request_as_the_trace_says(
     # The same summary as one JSON log line, for runs whose files nobody can fetch (a Job).
     (logged,) = [line for line in run.log.splitlines() if SUMMARY_LOG_PREFIX in line]
     assert json.loads(logged.split(SUMMARY_LOG_PREFIX, 1)[1]) == run.summary
+    # Three conversations: each holds a third of the requests, which a session-keyed router
+    # would put on one replica; the log says so, naming the trace.
+    assert f"{trace}: session chat:1 holds 3 of the trace's 9 requests (33%)" in run.log
 
 
 def test_each_stream_is_read_to_its_end_and_its_connection_reused(
