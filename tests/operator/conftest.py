@@ -40,6 +40,7 @@ EVENTS = kmock.resource("", "v1", "events")
 SERVICEACCOUNTS = kmock.resource("", "v1", "serviceaccounts")
 ROLES = kmock.resource("rbac.authorization.k8s.io", "v1", "roles")
 ROLEBINDINGS = kmock.resource("rbac.authorization.k8s.io", "v1", "rolebindings")
+BUDGETS = kmock.resource("policy", "v1", "poddisruptionbudgets")
 # Fast timer for tests; the default (30 s) is what clusters use.
 STATUS_INTERVAL_S = 0.3
 # The peers the operator admits to the serving pods, as the chart configures them.
@@ -173,6 +174,7 @@ def cluster(kmock: kmock.KubernetesEmulator, tmp_path: Path, monkeypatch: pytest
         (SERVICEACCOUNTS, "ServiceAccount"),
         (ROLES, "Role"),
         (ROLEBINDINGS, "RoleBinding"),
+        (BUDGETS, "PodDisruptionBudget"),
     ]:
         kmock.resources[resource] = kmock.ResourceInfo(
             kind=kind,

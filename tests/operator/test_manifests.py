@@ -155,6 +155,7 @@ def test_deployment_args_follow_the_spec() -> None:
         "--model", "Qwen/Qwen2.5-0.5B-Instruct", "--served-model-name", "qwen",
         "--block-size", "16", "--enable-prefix-caching",
         "--num-gpu-blocks-override", "512", "--max-model-len", "4096",
+        "--shutdown-timeout", "82",  # 4096 tokens at 50 tokens/s, rounded up
         "--max-num-seqs", "8",
     ]  # fmt: skip
     env = {var["name"]: var.get("value") for var in container["env"]}

@@ -16,6 +16,7 @@ import pytest
 from arc_operator import FIELD_MANAGER, GROUP, rbac
 from arc_operator.handlers import CHILD_KINDS
 from tests.operator.conftest import (
+    BUDGETS,
     CONFIGMAPS,
     DEPLOYMENTS,
     MONITORING_PEERS,
@@ -495,7 +496,12 @@ async def test_operator_requests_stay_within_its_rbac_rules(cluster, operator, p
     await eventually(lambda: stored(cluster, ROLES, "demo-router") is None)
     await edit_spec(cluster, "demo", 5, routing={"policy": "none"})
     await eventually(lambda: stored(cluster, DEPLOYMENTS, "demo-router") is None)
-    await edit_spec(cluster, "demo", 6, replicas=-1)
+    # Two replicas, then one: the PodDisruptionBudget is created, then deleted.
+    await edit_spec(cluster, "demo", 6, replicas=2)
+    await eventually(lambda: stored(cluster, BUDGETS, "demo"))
+    await edit_spec(cluster, "demo", 7, replicas=1)
+    await eventually(lambda: stored(cluster, BUDGETS, "demo") is None)
+    await edit_spec(cluster, "demo", 8, replicas=-1)
     await eventually(lambda: condition(cluster, "demo", "Valid").get("status") == "False")
     # The Warning event is posted after the status patch; wait for it, not for the status.
     await eventually(
@@ -534,6 +540,36 @@ async def test_operator_requests_stay_within_its_rbac_rules(cluster, operator, p
     # what the operator holds only to grant it to the router's Role and what an admission check
     # on its owner references demands (tests/cluster/test_rbac.py shows both on a real API).
     assert granted - used == rbac.DELEGATED | rbac.FOR_ADMISSION
+
+
+async def test_disruption_budgets_follow_the_replicas_and_routing(cluster, operator) -> None:
+    """Serving and router PodDisruptionBudgets exist exactly with more than one pod: created,
+    updated with disruption.maxUnavailable, deleted when the replicas drop to one or routing
+    goes off, and recreated when deleted behind the operator's back."""
+    await create_sp(cluster, "demo", make_spec(replicas=1))
+    await eventually(lambda: stored(cluster, DEPLOYMENTS, "demo"))
+    await eventually(lambda: status_of(cluster, "demo").get("observedGeneration") == 1)
+    assert stored(cluster, BUDGETS, "demo") is None
+    routing = {"policy": "round_robin", "replicas": 2}
+    await edit_spec(cluster, "demo", 2, replicas=3, routing=routing)
+    serving = await eventually(lambda: stored(cluster, BUDGETS, "demo"))
+    router = await eventually(lambda: stored(cluster, BUDGETS, "demo-router"))
+    assert serving["spec"]["maxUnavailable"] == 1 and router["spec"]["maxUnavailable"] == 1
+    (owner,) = serving["metadata"]["ownerReferences"]
+    assert owner["uid"] == "uid-demo"
+    await edit_spec(cluster, "demo", 3, disruption={"maxUnavailable": 2})
+    await eventually(lambda: stored(cluster, BUDGETS, "demo")["spec"]["maxUnavailable"] == 2)
+    response = await cluster.delete(
+        f"/apis/policy/v1/namespaces/{NAMESPACE}/poddisruptionbudgets/demo"
+    )
+    assert response.status == 200, await response.text()
+    await eventually(lambda: stored(cluster, BUDGETS, "demo"))
+    await edit_spec(cluster, "demo", 4, routing={"policy": "none"})
+    await eventually(lambda: stored(cluster, BUDGETS, "demo-router") is None)
+    await edit_spec(cluster, "demo", 5, replicas=1)
+    await eventually(lambda: stored(cluster, BUDGETS, "demo") is None)
+    # A pass that runs before the index has seen a deletion may ask again (a 404, harmless).
+    assert set(operator_deletes(cluster, BUDGETS)) == {"demo-router", "demo"}
 
 
 async def test_spec_without_api_key_or_opt_out_is_invalid_and_creates_nothing(

@@ -130,7 +130,8 @@ async def test_a_stalled_scrape_does_not_hold_up_a_repair() -> None:
     passing = asyncio.create_task(
         reconcile(
             body=body, spec=body.spec, status=body.status, patch=patch, memo=memo,
-            logger=logger_of(body), endpoints=(), router_present=frozenset(), strict=False,
+            logger=logger_of(body), endpoints=(), router_present=frozenset(),
+            budgets_present=frozenset(), strict=False,
         )
     )  # fmt: skip
     await asyncio.wait_for(pods.asked.wait(), DEADLINE_S)
@@ -157,7 +158,7 @@ async def test_a_pass_reports_the_generation_whose_spec_it_applied() -> None:
         reconcile(
             body=body, spec=body.spec, status=body.status, patch=patch,
             memo=kopf.Memo(runtime=runtime), logger=logger_of(body), endpoints=(),
-            router_present=frozenset(), strict=False,
+            router_present=frozenset(), budgets_present=frozenset(), strict=False,
         )
     )  # fmt: skip
     await asyncio.wait_for(pods.asked.wait(), DEADLINE_S)
@@ -180,7 +181,8 @@ async def test_passes_report_in_the_order_they_applied() -> None:
     async def run(label: str) -> None:
         await reconcile(
             body=body, spec=body.spec, status=body.status, patch=kopf.Patch(), memo=memo,
-            logger=logger_of(body), endpoints=(), router_present=frozenset(), strict=False,
+            logger=logger_of(body), endpoints=(), router_present=frozenset(),
+            budgets_present=frozenset(), strict=False,
         )  # fmt: skip
         finished.append(label)
 
@@ -201,7 +203,7 @@ def timer_kwargs(body: kopf.Body, memo: kopf.Memo) -> dict[str, Any]:
     return {
         "body": body, "spec": body.spec, "status": body.status, "patch": kopf.Patch(),
         "memo": memo, "logger": logger_of(body), "name": body.meta.name,
-        "namespace": body.meta.namespace, "serving_endpoints": {},
+        "namespace": body.meta.namespace, "serving_endpoints": {}, "budgets": {},
         **{index: {} for index in ROUTER_INDEXES},
     }  # fmt: skip
 

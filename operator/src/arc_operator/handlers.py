@@ -13,8 +13,9 @@ Watches and indexes: the child kinds are watched with a server-side label select
 operator's ``managed-by`` label (so kopf never lists or streams anyone else's objects), the
 pods with one on the serving pods' labels. Handlers find a child's owner in an in-memory
 index of ServingPolicies (``servingpolicy_owners``, fed by the watch the operator already
-has, so no extra ``get`` permission), the ready serving pods in ``serving_endpoints`` and the
-router children that exist in one ``router_<plural>`` index per child kind.
+has, so no extra ``get`` permission), the ready serving pods in ``serving_endpoints``, the
+router children that exist in one ``router_<plural>`` index per child kind, and the
+PodDisruptionBudgets that exist, by name, in ``budgets``.
 
 The timer's interval is fixed when the handlers are registered, so ``register`` takes the
 validated settings; importing this module registers them on kopf's default registry with
@@ -59,7 +60,11 @@ CHILD_KINDS = (
     ("", "v1", "serviceaccounts"),
     ("rbac.authorization.k8s.io", "v1", "roles"),
     ("rbac.authorization.k8s.io", "v1", "rolebindings"),
+    ("policy", "v1", "poddisruptionbudgets"),
 )
+# The PodDisruptionBudgets (serving and router), indexed by name under ``budgets``: a
+# reconcile deletes those its spec no longer has (replicas down to 1, routing off).
+BUDGET_PLURAL = "poddisruptionbudgets"
 MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
 # The server-side selector of every child watch: the API server streams only managed objects.
 CHILD_SELECTOR = f"{MANAGED_BY_LABEL}={mf.MANAGED_BY}"
@@ -71,13 +76,16 @@ SERVING_POD_SELECTOR = ",".join(f"{key}={value}" for key, value in SERVING_POD_L
 # The router children that exist, one index per child kind (kind names by owner), handed to
 # handlers under ``router_<plural>``.
 KINDS = {plural: kind for kind, plural in PLURALS.items()}
-ROUTER_INDEXES = tuple(f"router_{plural}" for _, _, plural in CHILD_KINDS)
+ROUTER_INDEXES = tuple(
+    f"router_{plural}" for _, _, plural in CHILD_KINDS if plural != BUDGET_PLURAL
+)
 ROUTER_CHILD_LABELS = {
     MANAGED_BY_LABEL: mf.MANAGED_BY,
     mf.COMPONENT_LABEL: mf.ROUTER_COMPONENT,
     mf.POLICY_LABEL: kopf.PRESENT,
 }
 OwnerIndex = kopf.Index[tuple[str, str], dict[str, Any]]
+BudgetIndex = kopf.Index[tuple[str, str], str]
 # kopf keeps a change handler's progress in annotations named after its id, and names handlers
 # in the events it posts: the ids the objects in a cluster already carry.
 CHANGE_HANDLER_ID = "register.<locals>.reconcile_on_change"
@@ -171,12 +179,14 @@ async def reconcile_on_change(
     name: str,
     namespace: str,
     serving_endpoints: EndpointIndex,
+    budgets: BudgetIndex,
     **indexes: Any,
 ) -> None:
     await reconcile(
         body=body, spec=spec, status=status, patch=patch, memo=memo, logger=logger,
         endpoints=ready_endpoints(serving_endpoints, namespace, name),
         router_present=router_children_present(indexes, namespace, name),
+        budgets_present=frozenset(budgets.get((namespace, name), [])),
         strict=True,
     )  # fmt: skip
 
@@ -192,12 +202,14 @@ async def repair_and_report(
     name: str,
     namespace: str,
     serving_endpoints: EndpointIndex,
+    budgets: BudgetIndex,
     **indexes: Any,
 ) -> None:
     await reconcile(
         body=body, spec=spec, status=status, patch=patch, memo=memo, logger=logger,
         endpoints=ready_endpoints(serving_endpoints, namespace, name),
         router_present=router_children_present(indexes, namespace, name),
+        budgets_present=frozenset(budgets.get((namespace, name), [])),
         strict=False,
     )  # fmt: skip
 
@@ -240,6 +252,12 @@ def router_child_index(kind: str) -> Callable[..., dict[tuple[str, str], str]]:
         return {(namespace, labels[mf.POLICY_LABEL]): kind}
 
     return index
+
+
+def budget_index(
+    name: str, labels: kopf.Labels, namespace: str, **_: Any
+) -> dict[tuple[str, str], str]:
+    return {(namespace, labels[mf.POLICY_LABEL]): name}
 
 
 @one_pass
@@ -301,10 +319,15 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
         *POD_KIND, id="follow_serving_pods", labels=SERVING_POD_LABELS, registry=registry
     )(follow_serving_pods)
     for group, version, plural in CHILD_KINDS:
-        kopf.index(
-            group, version, plural, id=f"router_{plural}", labels=ROUTER_CHILD_LABELS,
-            registry=registry,
-        )(router_child_index(KINDS[plural]))  # fmt: skip
+        if plural == BUDGET_PLURAL:
+            kopf.index(
+                group, version, plural, id="budgets", labels=CHILD_LABELS, registry=registry
+            )(budget_index)
+        else:
+            kopf.index(
+                group, version, plural, id=f"router_{plural}", labels=ROUTER_CHILD_LABELS,
+                registry=registry,
+            )(router_child_index(KINDS[plural]))  # fmt: skip
         kopf.on.event(
             group, version, plural, id=f"recreate_deleted_{plural}", labels=CHILD_LABELS,
             registry=registry,

@@ -28,6 +28,7 @@ PLURALS = {
     "ServiceAccount": "serviceaccounts",
     "Role": "roles",
     "RoleBinding": "rolebindings",
+    "PodDisruptionBudget": "poddisruptionbudgets",
 }
 
 

@@ -1,16 +1,16 @@
 """The operator's RBAC rules: the one list the Helm chart's ClusterRole uses.
 
 Least privilege: the operator lists, watches and patches ServingPolicies (kopf's annotations and
-the status subresource), server-side applies its children (Deployment, Service,
-NetworkPolicy, ConfigMap, and the router's ServiceAccount, Role and RoleBinding: ``patch``,
-and ``create``, which the API server also checks when an apply creates the object),
+the status subresource), server-side applies its children (Deployment, Service, NetworkPolicy,
+ConfigMap, PodDisruptionBudgets, and the router's ServiceAccount, Role and RoleBinding:
+``patch``, and ``create``, which the API server also checks when an apply creates the object),
 lists/watches them (to recreate one deleted behind its back at once), gets the Deployments
 (their rollouts), lists and watches the serving pods (to scrape their /metrics and to follow the
 ready set a kv_aware router routes to), and creates events. It deletes only the router children
 a routing change leaves over (Deployment, Service, NetworkPolicy, ServiceAccount, Role,
-RoleBinding); everything else goes with its ServingPolicy through Kubernetes' garbage
-collector. kopf runs standalone with CRD scanning off, so it needs no peering objects and no CRD
-access.
+RoleBinding) and the PodDisruptionBudgets a spec with one pod no longer has; everything else
+goes with its ServingPolicy through Kubernetes' garbage collector. kopf runs standalone with CRD
+scanning off, so it needs no peering objects and no CRD access.
 
 ``DELEGATED`` are the grants the operator holds only to hand them on: the API server lets it
 create the router's Role (pods get, list, watch) only if it holds every permission in it.
@@ -70,6 +70,11 @@ RULES: list[dict[str, Any]] = [
     {
         "apiGroups": ["rbac.authorization.k8s.io"],
         "resources": ["roles", "rolebindings"],
+        "verbs": ["list", "watch", "create", "patch", "delete"],
+    },
+    {
+        "apiGroups": ["policy"],
+        "resources": ["poddisruptionbudgets"],
         "verbs": ["list", "watch", "create", "patch", "delete"],
     },
     {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},

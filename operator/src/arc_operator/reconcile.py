@@ -8,7 +8,8 @@ events trigger.
    from ``manifests``; the NetworkPolicy admits the operator's configured peers; with routing,
    the router's children, its Deployment built from the ready serving pods), each owned by
    the ServingPolicy via ``kopf.adopt`` so deleting it deletes them, and delete the router
-   children that a routing change left over. Returns ``Applied``.
+   children that a routing change left over and the PodDisruptionBudgets the spec no longer
+   has (see below). Returns ``Applied``.
 2. ``observe`` (in the object's observation turn, not under its lock): read the Deployments'
    rollouts and each ready pod's /metrics (policy, prefix-cache counters). Returns
    ``Observed``.
@@ -50,6 +51,10 @@ comes from indexes over the child watches (``router_<plural>``, the children lab
 ``app.kubernetes.io/component: router``), so every pass deletes exactly the router children
 that exist and the spec does not want: level-triggered, nothing to remember across restarts,
 and a child brought back by a repair that raced the change goes at the next pass.
+
+PodDisruptionBudgets exist only with more than one pod (serving replicas, router replicas):
+the ones that exist come from an index over their watch (``budgets``, by name), and every pass
+deletes those the spec does not have, by name, as for the router children.
 
 Convergence: children are written only with server-side apply, as field manager
 ``arc_operator.FIELD_MANAGER`` with ``force``, so the operator owns every field its manifests
@@ -295,6 +300,29 @@ def _router_kinds(spec: ServingPolicySpec) -> frozenset[str]:
     return frozenset(kinds)
 
 
+def wanted_budgets(name: str, namespace: str, spec: ServingPolicySpec) -> frozenset[str]:
+    """The names of the PodDisruptionBudgets ``spec`` has (the serving pods', the router's)."""
+    wanted = mf.budgets(name, namespace, spec)
+    if spec.routing_policy is not RoutingPolicy.NONE:
+        wanted += mf.router_budgets(name, namespace, spec)
+    return frozenset(pdb["metadata"]["name"] for pdb in wanted)
+
+
+async def delete_stale_budgets(
+    runtime: Runtime,
+    namespace: str,
+    name: str,
+    spec: ServingPolicySpec,
+    present: frozenset[str],
+    logger: logging.Logger | Any,
+) -> None:
+    """Delete the PodDisruptionBudgets of ``present`` (by name, the ones that exist) that
+    ``spec`` does not have: a budget over one pod would block every node drain."""
+    for stale in sorted(present - wanted_budgets(name, namespace, spec)):
+        if await runtime.api.delete(mf.BUDGET_API_VERSION, mf.BUDGET_KIND, namespace, stale):
+            logger.info(f"deleted {mf.BUDGET_KIND} {stale} (one pod left, or routing off)")
+
+
 async def delete_stale_router_children(
     runtime: Runtime,
     namespace: str,
@@ -366,6 +394,7 @@ async def apply(
     spec: Mapping[str, Any],
     endpoints: tuple[mf.Endpoint, ...],
     router_present: frozenset[str],
+    budgets_present: frozenset[str],
     logger: logging.Logger | Any,
 ) -> Applied:
     """Step 1: the children of ``body`` brought to ``spec``. A refused child is an
@@ -380,6 +409,7 @@ async def apply(
     try:
         await apply_children(runtime, body, parsed, endpoints, logger)
         await delete_stale_router_children(runtime, namespace, name, parsed, router_present, logger)
+        await delete_stale_budgets(runtime, namespace, name, parsed, budgets_present, logger)
     except SpecError as problem:
         return Applied(generation, None, str(problem))
     except ApiError as problem:
@@ -452,6 +482,7 @@ async def reconcile(
     logger: logging.Logger | Any,
     endpoints: tuple[mf.Endpoint, ...],
     router_present: frozenset[str],
+    budgets_present: frozenset[str],
     strict: bool,
 ) -> None:
     """Bring the children to the spec and write the status (see the module doc).
@@ -464,7 +495,9 @@ async def reconcile(
     try:
         async with contextlib.AsyncExitStack() as turn:
             async with runtime.lock(*key):
-                applied = await apply(runtime, body, spec, endpoints, router_present, logger)
+                applied = await apply(
+                    runtime, body, spec, endpoints, router_present, budgets_present, logger
+                )
                 await turn.enter_async_context(runtime.observation(*key))
             observed = await observe(runtime, *key, applied)
             # Per-object memo: the previous readings of this object's pods, for the rate.

@@ -36,6 +36,10 @@ ROUTER_COMPONENT = "router"
 # subscriber asks for what it missed. Topic "" (every event), the router's default filter.
 KV_EVENTS_PORT, KV_EVENTS_PORT_NAME = 5557, "kv-events"
 KV_REPLAY_PORT, KV_REPLAY_PORT_NAME = 5558, "kv-replay"
+# A leaving pod's time after its drain, before the kubelet's SIGKILL: vLLM's engine teardown
+# and HTTP server stop, or the router's, after the last request has finished.
+EXIT_MARGIN_S = 10
+BUDGET_API_VERSION, BUDGET_KIND = "policy/v1", "PodDisruptionBudget"
 
 
 @dataclass(frozen=True, order=True, slots=True)
@@ -113,6 +117,12 @@ def probe(period: int, failures: int) -> dict[str, Any]:
     }
 
 
+def grace_period(spec: ServingPolicySpec) -> int:
+    """A pod's terminationGracePeriodSeconds: the preStop wait's bound, the worst-case request
+    its drain may still hold, and EXIT_MARGIN_S to exit, so that no held request is killed."""
+    return spec.disruption.drain_delay_seconds + spec.request_seconds + EXIT_MARGIN_S
+
+
 def hardened_container(
     *,
     name: str,
@@ -122,11 +132,13 @@ def hardened_container(
     env: list[dict[str, Any]],
     ports: list[dict[str, Any]],
     startup_probe: dict[str, Any],
+    pre_stop: list[str],
     resources: dict[str, Any],
     volume_mounts: list[dict[str, Any]],
 ) -> dict[str, Any]:
-    """A container with the API's readiness and liveness probes that cannot write its root
-    filesystem, gain privileges or use any capability."""
+    """A container with the API's readiness and liveness probes, whose ``pre_stop`` command
+    runs before it gets SIGTERM, that cannot write its root filesystem, gain privileges or use
+    any capability."""
     return {
         "name": name,
         "image": image,
@@ -137,6 +149,7 @@ def hardened_container(
         "startupProbe": startup_probe,
         "readinessProbe": probe(period=5, failures=3),
         "livenessProbe": probe(period=10, failures=3),
+        "lifecycle": {"preStop": {"exec": {"command": pre_stop}}},
         "resources": resources,
         "securityContext": {
             "allowPrivilegeEscalation": False,
@@ -175,6 +188,19 @@ def placement(
     return fields
 
 
+def disruption_budget(
+    metadata: dict[str, Any], selector: dict[str, str], max_unavailable: int
+) -> dict[str, Any]:
+    """A PodDisruptionBudget: voluntary disruptions (drains, evictions) take at most
+    ``max_unavailable`` of the selected pods at once."""
+    return {
+        "apiVersion": BUDGET_API_VERSION,
+        "kind": BUDGET_KIND,
+        "metadata": metadata,
+        "spec": {"maxUnavailable": max_unavailable, "selector": {"matchLabels": selector}},
+    }
+
+
 def rolling_deployment(
     metadata: dict[str, Any],
     replicas: int,
@@ -182,7 +208,8 @@ def rolling_deployment(
     template: dict[str, Any],
 ) -> dict[str, Any]:
     """A Deployment whose rolling updates start a new pod before stopping an old one
-    (maxUnavailable 0), so a ready pod always serves."""
+    (maxUnavailable 0), so a ready pod always serves: a rollout never takes capacity below
+    ``replicas``, more than any disruption budget (at least 1 unavailable) allows."""
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",

@@ -27,6 +27,8 @@ from arc_operator.manifests.common import (
     TMP_DIR,
     Endpoint,
     api_key_env,
+    disruption_budget,
+    grace_period,
     hardened_container,
     placement,
     pod_security_context,
@@ -52,6 +54,18 @@ ROUTER_METRICS_PORT, ROUTER_METRICS_PORT_NAME = 29000, "metrics"
 ROUTER_TMP_SIZE_LIMIT = "256Mi"
 # The router image's user (images/router.Dockerfile).
 ROUTER_RUN_AS = 10001
+# Retries and circuit breaker, unless routing.args sets them (docs/operator.md, "Disruptions").
+# The router retries a request whose worker answered 408, 429, 500, 502, 503 or 504, or refused
+# the connection (a 500), before it sends the client anything, choosing the worker again each
+# time among those whose circuit is closed. Two failures open a worker's circuit, so a leaving
+# pod that kv_aware would choose again (it holds the prefix) is skipped from the third attempt
+# on; after 5 s one success closes it again, so a pod tripped by a passing error is soon back.
+ROUTER_RESILIENCE = (
+    ("--retry-max-retries", "5"),
+    ("--cb-failure-threshold", "2"),
+    ("--cb-success-threshold", "1"),
+    ("--cb-timeout-duration-secs", "5"),
+)
 
 
 def _router_metadata(namespace: str, owner: str) -> dict[str, Any]:
@@ -61,7 +75,8 @@ def _router_metadata(namespace: str, owner: str) -> dict[str, Any]:
 def router_args(
     name: str, namespace: str, spec: ServingPolicySpec, endpoints: Sequence[Endpoint]
 ) -> list[str]:
-    """The router's arguments: the owned ones, then routing.args.
+    """The router's arguments: the owned ones, ROUTER_RESILIENCE's where routing.args sets
+    none, then routing.args.
 
     kv_aware: static workers, the ``endpoints`` in the order given, each with its KV event and
     replay sockets, hashed at cache.blockSize under the served model name (the router cannot
@@ -100,6 +115,9 @@ def router_args(
             "--service-discovery-namespace", namespace,
             "--service-discovery-port", str(PORT),
         ]  # fmt: skip
+    for flag, value in ROUTER_RESILIENCE:
+        if router_arg(spec.routing.args, flag) is None:
+            args += [flag, value]
     if spec.api_key_secret_ref is not None:
         # One token: a key that starts with "-" would otherwise read as an option.
         args += [f"--api-key=$({API_KEY_ENV})"]
@@ -145,6 +163,10 @@ def router_pod_template(
         ],
         # Static workers must be healthy before the router listens: the startup probe waits.
         startup_probe=probe(period=5, failures=60),
+        # The Service drops a terminating pod within a second or two; then SIGTERM, on which
+        # the router stops accepting and finishes the requests it holds (axum's graceful
+        # shutdown: "Received terminate signal, starting graceful shutdown").
+        pre_stop=["sleep", str(spec.disruption.drain_delay_seconds)],
         resources={"requests": requests, "limits": dict(requests)},
         volume_mounts=[{"name": "tmp", "mountPath": TMP_DIR}],
     )
@@ -154,6 +176,7 @@ def router_pod_template(
             "serviceAccountName": router_name(name),
             "automountServiceAccountToken": _discovers(spec),
             "enableServiceLinks": False,
+            "terminationGracePeriodSeconds": grace_period(spec),
             "securityContext": pod_security_context(ROUTER_RUN_AS),
             # Its own placement, never the vLLM pods' (docs/architecture.md, "Routing").
             **placement(spec.routing.node_selector, spec.routing.tolerations),
@@ -174,6 +197,14 @@ def router_deployment(
         router_selector_labels(name),
         router_pod_template(name, namespace, spec, endpoints, image),
     )
+
+
+def router_budgets(name: str, namespace: str, spec: ServingPolicySpec) -> list[dict[str, Any]]:
+    """The router pods' PodDisruptionBudget (one at a time); none with one router."""
+    if spec.routing.replicas <= 1:
+        return []
+    metadata = _router_metadata(namespace, name)
+    return [disruption_budget(metadata, router_selector_labels(name), max_unavailable=1)]
 
 
 def router_service(name: str, namespace: str) -> dict[str, Any]:
@@ -281,7 +312,9 @@ def router_children(
 ) -> list[dict[str, Any]]:
     """The router's children in apply order (``ROUTER_KINDS``); none when the routing policy
     is none. The ServiceAccount and its grants come before the Deployment whose pods use
-    them; a NetworkPolicy unless ``peers`` is None (the network policy setting is off)."""
+    them; a NetworkPolicy unless ``peers`` is None (the network policy setting is off); a
+    PodDisruptionBudget with more than one router (``router_budgets``), which the reconcile's
+    budget pass deletes, not ``ROUTER_KINDS``'s."""
     if spec.routing_policy is RoutingPolicy.NONE:
         return []
     grants = [] if not _discovers(spec) else [
@@ -295,4 +328,5 @@ def router_children(
         router_deployment(name, namespace, spec, endpoints, image),
         router_service(name, namespace),
         *policy,
+        *router_budgets(name, namespace, spec),
     ]

@@ -28,6 +28,8 @@ from arc_operator.manifests.common import (
     SERVING_COMPONENT,
     TMP_DIR,
     api_key_env,
+    disruption_budget,
+    grace_period,
     hardened_container,
     labels,
     placement,
@@ -88,6 +90,35 @@ KV_EVENTS_CONFIG = {
     "replay_endpoint": f"tcp://*:{KV_REPLAY_PORT}",
     "topic": "",
 }
+
+
+# The serving pod's preStop (python3 -c, the images' Python; argv: bound, quiet, metrics URL):
+# it waits until no request has arrived for `quiet` seconds, at most `bound` seconds, so that
+# the Service endpoints and the router have dropped the pod before vLLM gets SIGTERM. vLLM
+# aborts a request that arrives after SIGTERM (a 200 with finish_reason "abort" that no router
+# retries); the requests it already holds it drains (--shutdown-timeout). Arrivals are counted
+# from vLLM's /metrics as finished + running + waiting requests; an unreachable server counts
+# as quiet.
+DRAIN_WAIT = """\
+import sys, time, urllib.request
+bound, quiet, url = float(sys.argv[1]), float(sys.argv[2]), sys.argv[3]
+COUNTED = ("vllm:request_success_total", "vllm:num_requests_running", "vllm:num_requests_waiting")
+def arrivals():
+    try:
+        text = urllib.request.urlopen(url, timeout=1).read().decode()
+    except OSError:
+        return None
+    lines = [line for line in text.splitlines() if line.startswith(COUNTED)]
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines)
+start = since = time.monotonic()
+seen = arrivals()
+while time.monotonic() - start < bound and time.monotonic() - since < quiet:
+    time.sleep(0.25)
+    now = arrivals()
+    if now != seen:
+        seen, since = now, time.monotonic()
+"""
+DRAIN_QUIET_S = 2
 
 
 def config_map_name(name: str) -> str:
@@ -192,6 +223,8 @@ def engine_args(spec: ServingPolicySpec) -> list[str]:
     else:
         args += ["--gpu-memory-utilization", str(spec.cache.gpu_memory_utilization)]
     args += ["--max-model-len", str(spec.max_model_len)]
+    # Drain mode: on SIGTERM vLLM finishes the requests it holds, for at most this long.
+    args += ["--shutdown-timeout", str(spec.request_seconds)]
     if spec.routing_policy is RoutingPolicy.KV_AWARE:
         events = json.dumps(KV_EVENTS_CONFIG, separators=(",", ":"))
         args += ["--kv-events-config", events, "--enable-scale-out"]
@@ -250,6 +283,19 @@ def _model_volume(spec: ServingPolicySpec) -> list[dict[str, Any]]:
     return [{"name": "model", **source}]
 
 
+def _drain_wait(spec: ServingPolicySpec) -> list[str]:
+    """The preStop command: DRAIN_WAIT on this pod's own /metrics."""
+    bound = str(spec.disruption.drain_delay_seconds)
+    return [
+        "python3",
+        "-c",
+        DRAIN_WAIT,
+        bound,
+        str(DRAIN_QUIET_S),
+        f"http://127.0.0.1:{PORT}/metrics",
+    ]
+
+
 def pod_template(name: str, spec: ServingPolicySpec) -> dict[str, Any]:
     """The pod template; it names the policy only in Restart mode (see the module doc)."""
     # Only Hot pods mount the policy ConfigMap: a mounted file would switch Restart pods live.
@@ -274,6 +320,7 @@ def pod_template(name: str, spec: ServingPolicySpec) -> dict[str, Any]:
         ports=_engine_ports(spec),
         # Loading a model can take minutes: the startup probe holds off liveness until then.
         startup_probe=probe(period=10, failures=90),
+        pre_stop=_drain_wait(spec),
         resources=_resources(spec),
         volume_mounts=[
             *policy_mounts,
@@ -291,6 +338,7 @@ def pod_template(name: str, spec: ServingPolicySpec) -> dict[str, Any]:
             "enableServiceLinks": False,
             # vLLM never calls the Kubernetes API: no token in the pod to steal.
             "automountServiceAccountToken": False,
+            "terminationGracePeriodSeconds": grace_period(spec),
             "securityContext": pod_security_context(RUN_AS),
             **placement(spec.node_selector, spec.tolerations),
             "containers": [container],
@@ -317,6 +365,15 @@ def deployment(name: str, namespace: str, spec: ServingPolicySpec) -> dict[str, 
     )
 
 
+def budgets(name: str, namespace: str, spec: ServingPolicySpec) -> list[dict[str, Any]]:
+    """The serving pods' PodDisruptionBudget (disruption.maxUnavailable); none with at most
+    one replica, where any budget would either block every node drain or allow everything."""
+    if spec.replicas <= 1:
+        return []
+    metadata = _metadata(name, namespace, name)
+    return [disruption_budget(metadata, selector_labels(name), spec.disruption.max_unavailable)]
+
+
 def children(
     name: str,
     namespace: str,
@@ -331,7 +388,7 @@ def children(
     The Deployment is the child the API server may reject for what the spec holds
     (resources, env, image); going first, a rejected spec leaves the running pods' policy
     ConfigMap as it was. A new Deployment's pods wait for their ConfigMap volume, which
-    follows at once.
+    follows at once. A PodDisruptionBudget (``budgets``) comes last, with more than one replica.
     """
     policy = [] if peers is None else [network_policy(name, namespace, spec, peers, monitoring)]
     return [
@@ -339,4 +396,5 @@ def children(
         service(name, namespace, spec),
         *policy,
         config_map(name, namespace, spec),
+        *budgets(name, namespace, spec),
     ]

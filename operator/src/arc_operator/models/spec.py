@@ -61,6 +61,8 @@ OWNED_ENGINE_ARGS = frozenset(
         "--num-gpu-blocks-override",
         "--gpu-memory-utilization",
         "--max-model-len",
+        # The drain bound comes from disruption (requestSeconds), like the grace period it fits.
+        "--shutdown-timeout",
         # The API key comes from a Secret through VLLM_API_KEY: on the command line it would be
         # readable by anyone who can list processes (/proc/PID/cmdline, ps) or read the pod spec.
         "--api-key",
@@ -677,6 +679,44 @@ class RoutingSpec(FrozenModel):
     )
 
 
+# A worst-case request's decode rate when disruption.requestSeconds is unset: maxModelLen
+# tokens at this many tokens per second (a slow GPU's single-request decode; CPU pods with
+# long contexts should set requestSeconds).
+WORST_CASE_TOKENS_PER_S = 50
+# A Kubernetes duration field is an int64 of seconds, but a day bounds every wait here.
+MAX_WAIT_S = 86400
+
+
+class DisruptionSpec(FrozenModel):
+    """How pods leave without losing a request: the PodDisruptionBudgets' size, the preStop
+    wait and the drain bound (docs/operator.md, "Disruptions")."""
+
+    max_unavailable: int = Field(
+        default=1,
+        ge=1,
+        le=2**31 - 1,
+        description="Serving pods a voluntary disruption (a node drain, an eviction) may take "
+        "at once: the PodDisruptionBudget's maxUnavailable when replicas > 1. At least 1, so "
+        "that a drain can always proceed.",
+    )
+    drain_delay_seconds: int = Field(
+        default=5,
+        ge=0,
+        le=MAX_WAIT_S,
+        description="Longest preStop wait of a leaving pod for the Service endpoints and the "
+        "router to stop sending it requests, before it gets SIGTERM; a serving pod ends the "
+        "wait earlier once no request has arrived for 2 s.",
+    )
+    request_seconds: int | None = Field(
+        default=None,
+        ge=1,
+        le=MAX_WAIT_S,
+        description="Worst-case time of one request: how long a leaving pod drains the "
+        "requests it holds (vLLM --shutdown-timeout). Default: maxModelLen tokens at "
+        f"{WORST_CASE_TOKENS_PER_S} tokens/s, rounded up.",
+    )
+
+
 # The API is closed by default: serving without a key must be asked for by name.
 API_KEY_CHOICE = (
     "set apiKeySecretRef (the Secret holding the API key) or allowUnauthenticated: true "
@@ -761,6 +801,10 @@ class ServingPolicySpec(FrozenModel):
     routing: RoutingSpec = Field(
         default_factory=RoutingSpec,
         description="The vLLM router in front of the replicas (Deployment NAME-router).",
+    )
+    disruption: DisruptionSpec = Field(
+        default_factory=DisruptionSpec,
+        description="Disruption budget, preStop wait and drain bound of the pods.",
     )
 
     @model_validator(mode="after")
@@ -880,6 +924,14 @@ class ServingPolicySpec(FrozenModel):
     def policy_name(self) -> str:
         """The lower-case policy name the plugin and its metrics use."""
         return self.policy.value.lower()
+
+    @property
+    def request_seconds(self) -> int:
+        """The worst-case request time: disruption.requestSeconds, or maxModelLen tokens at
+        WORST_CASE_TOKENS_PER_S, rounded up."""
+        if self.disruption.request_seconds is not None:
+            return self.disruption.request_seconds
+        return -(-self.max_model_len // WORST_CASE_TOKENS_PER_S)
 
     @property
     def routing_policy(self) -> RoutingPolicy:
