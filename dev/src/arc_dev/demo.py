@@ -363,7 +363,7 @@ def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value * 1000:.0f}"
 
 
-def _aligned(rows: list[list[str]]) -> str:
+def aligned_table(rows: list[list[str]]) -> str:
     widths = [max(len(row[column]) for row in rows) for column in range(len(rows[0]))]
     lines = []
     for number, row in enumerate(rows):
@@ -428,7 +428,7 @@ def comparison_table(
                 _ms(run.dispatch_lag_p99_s),
             ]
         )
-    return _aligned(rows)
+    return aligned_table(rows)
 
 
 def prediction_table(predictions: Sequence[Prediction]) -> str:
@@ -436,7 +436,7 @@ def prediction_table(predictions: Sequence[Prediction]) -> str:
     rows = [["policy", "sim seq", "sim ovl", "model TTFT p50 ms"]]
     for p in predictions:
         rows.append([p.policy, _rate(p.sequential), _rate(p.overlapping), _ms(p.ttft_p50_s)])
-    return _aligned(rows)
+    return aligned_table(rows)
 
 
 @dataclass(frozen=True, slots=True)
@@ -490,7 +490,7 @@ def gains(runs: Sequence[PolicyRun]) -> list[Gain]:
     return result
 
 
-def _percent(value: float | None) -> str:
+def signed_percent(value: float | None) -> str:
     return "-" if value is None else f"{100 * value:+.1f}%"
 
 
@@ -500,11 +500,11 @@ def gain_lines(runs: Sequence[PolicyRun]) -> list[str]:
     for gain in gains(runs):
         lines.append(
             f"hit gain ({gain.policy} vs {gain.baseline}): {gain.hit_points:+.1f} points of "
-            f"block hit rate, {_percent(gain.hit_relative)} relative"
+            f"block hit rate, {signed_percent(gain.hit_relative)} relative"
         )
         lines.append(
             f"TTFT p50 gain ({gain.policy} vs {gain.baseline}): "
-            f"{_percent(gain.ttft_p50_relative)} (positive = faster)"
+            f"{signed_percent(gain.ttft_p50_relative)} (positive = faster)"
         )
         met = gain.ttft_target_met
         if met is None:
@@ -514,8 +514,9 @@ def gain_lines(runs: Sequence[PolicyRun]) -> list[str]:
         else:
             needed = TTFT_SHARE_TARGET * (gain.hit_relative or 0.0)
             verdict = (
-                f"{'met' if met else 'MISSED'}: needs >= {100 * needed:.1f}% "
-                f"(half of {_percent(gain.hit_relative)}), got {_percent(gain.ttft_p50_relative)}"
+                f"{'met' if met else 'MISSED'}: needs >= {100 * needed:.1f}% (half of "
+                f"{signed_percent(gain.hit_relative)}), got "
+                f"{signed_percent(gain.ttft_p50_relative)}"
             )
         lines.append(f"target TTFT p50 gain >= half the hit gain: {verdict}")
     worst = max(
@@ -548,7 +549,7 @@ def stock_lines(stock: PolicyRun, runs: Sequence[PolicyRun]) -> list[str]:
         if stock.ttft_p50_s and run.ttft_p50_s is not None:
             change = (run.ttft_p50_s - stock.ttft_p50_s) / stock.ttft_p50_s
             lines.append(
-                f"TTFT p50 {run.policy} vs {STOCK}: {_percent(change)} "
+                f"TTFT p50 {run.policy} vs {STOCK}: {signed_percent(change)} "
                 f"({'slower' if change > 0 else 'faster'}), p90 "
                 f"{_ratio(run.ttft_p90_s, stock.ttft_p90_s)} of {STOCK}'s"
             )

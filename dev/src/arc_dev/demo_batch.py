@@ -13,8 +13,10 @@ Steps (each printed with its wall time):
    plugin variable runs the ``stock`` row. Every engine has the same KV cache:
    ``capacity + 1`` blocks (block 0 is vLLM's null block).
 4. Print one table (per batch size and policy: measured and predicted hit rate, TTFT and
-   end-to-end p50, wall time, output tokens per second), each policy's gains over LRU against
-   the batch size next to the paper's, and write ``demo-batch.png`` and ``demo-batch.json``.
+   end-to-end p50, wall and CPU seconds, output tokens per second, preempted requests, and
+   the load average: on a shared machine the latencies depend on it), each policy's gains over
+   LRU against the batch size next to the paper's, and write ``demo-batch.png`` and
+   ``demo-batch.json``.
 
 The model (``predict_batch``): ``generate`` takes the whole list, so every prompt arrives at
 once, and vLLM's scheduler admits them first come first served while fewer than
@@ -57,12 +59,12 @@ from arc_dev.demo import (
     STOCK,
     TRACE,
     StepClock,
-    _aligned,
-    _percent,
     add_run_arguments,
+    aligned_table,
     check_run_arguments,
     policy_list,
     save_figure,
+    signed_percent,
     stop_on_sigterm,
 )
 from arc_serving_common.names import CONFIG_ENV, POLL_MS_ENV, policy_file_text
@@ -335,24 +337,25 @@ def cells_table(cells: Sequence[Cell]) -> str:
             str(cell.preemptions),
             f"{cell.load_average:.1f}",
         ])  # fmt: skip
-    return _aligned(rows)
+    return aligned_table(rows)
 
 
 def gains_table(gains: Sequence[BatchGain]) -> str:
     rows = [["batch", "policy", "hit pts", "sim pts", "hit rel", "TTFT p50", "CPU s", "paper"]]
     low, high = PAPER_TTFT_REDUCTION_BATCH
     paper = (
-        f"hit <= {_percent(PAPER_HIT_GAIN_MAX)}, TTFT <= {_percent(-PAPER_TTFT_REDUCTION_MAX)}; "
-        f"batches {_percent(-low)}..{_percent(-high)}"
+        f"hit <= {signed_percent(PAPER_HIT_GAIN_MAX)}, "
+        f"TTFT <= {signed_percent(-PAPER_TTFT_REDUCTION_MAX)}; "
+        f"batches {signed_percent(-low)}..{signed_percent(-high)}"
     )
     for gain in gains:
         rows.append([
             str(gain.max_num_seqs), gain.policy, f"{gain.hit_points:+.1f}",
-            f"{gain.predicted_points:+.1f}", _percent(gain.hit_relative),
-            _percent(-gain.ttft_reduction), _percent(-gain.cpu_reduction),
+            f"{gain.predicted_points:+.1f}", signed_percent(gain.hit_relative),
+            signed_percent(-gain.ttft_reduction), signed_percent(-gain.cpu_reduction),
             paper if gain.policy == "arc" else "",
         ])  # fmt: skip
-    return _aligned(rows)
+    return aligned_table(rows)
 
 
 def prediction_lines(cells: Sequence[Cell]) -> list[str]:
@@ -418,7 +421,7 @@ def run_demo(settings: BatchSettings) -> int:
         for name in settings.policies
         for size in settings.batch_sizes
     }
-    clock.step("simulated block hit rates:\n" + _aligned(
+    clock.step("simulated block hit rates:\n" + aligned_table(
         [["batch", *settings.policies]]
         + [[str(size), *(f"{predicted[name, size]:.3f}" for name in settings.policies)]
            for size in settings.batch_sizes]))  # fmt: skip
