@@ -28,8 +28,9 @@ its blocks are released and the next requests admitted. Each running request als
 block without a hash (its partial last block, where its output goes), which no request can
 hit and which vLLM reuses first once freed: the model gives every request one private key,
 pinned while it runs and dropped without history when it ends. Both matter once requests
-overlap: with a serial prefill lane (``arc_dev.demo``'s service times) and without the private
-block, the batch of 16 was predicted up to 1.8 points below the measurement.
+overlap: with a serial prefill lane (``arc_dev.demo``'s service times) and the cache less one
+block per ``max_num_seqs`` instead, the batch of 64 was predicted 4.3 to 4.6 points below the
+measurement (the cache, not ``max_num_seqs``, bounds it to about 20 requests).
 
 Invariant: a cell is reported only when its engine answered every prompt in full; otherwise
 the demo stops with exit status 1 naming the engine and its log. Bad arguments stop it with
