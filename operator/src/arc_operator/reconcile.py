@@ -308,38 +308,28 @@ def wanted_budgets(name: str, namespace: str, spec: ServingPolicySpec) -> frozen
     return frozenset(pdb["metadata"]["name"] for pdb in wanted)
 
 
-async def delete_stale_budgets(
+async def delete_stale_children(
     runtime: Runtime,
     namespace: str,
     name: str,
     spec: ServingPolicySpec,
-    present: frozenset[str],
+    present: tuple[frozenset[str], frozenset[str]],
     logger: logging.Logger | Any,
 ) -> None:
-    """Delete the PodDisruptionBudgets of ``present`` (by name, the ones that exist) that
-    ``spec`` does not have: a budget over one pod would block every node drain."""
-    for stale in sorted(present - wanted_budgets(name, namespace, spec)):
-        if await runtime.api.delete(mf.BUDGET_API_VERSION, mf.BUDGET_KIND, namespace, stale):
-            logger.info(f"deleted {mf.BUDGET_KIND} {stale} (one pod left, or routing off)")
-
-
-async def delete_stale_router_children(
-    runtime: Runtime,
-    namespace: str,
-    name: str,
-    spec: ServingPolicySpec,
-    present: frozenset[str],
-    logger: logging.Logger | Any,
-) -> None:
-    """Delete the router children of kinds in ``present`` (the ones that exist) that ``spec``
-    does not have."""
+    """Delete the children that exist and ``spec`` does not have: of ``present``, the router
+    children's kinds and the PodDisruptionBudgets' names (a budget over one pod would block
+    every node drain)."""
+    router_present, budgets_present = present
     wanted = _router_kinds(spec)
     if runtime.config.peers() is None:
         wanted -= {"NetworkPolicy"}
-    stale = [(version, kind) for version, kind in mf.ROUTER_KINDS if kind in present - wanted]
-    for api_version, kind in reversed(stale):
+    stale = router_present - wanted
+    for api_version, kind in reversed([kind for kind in mf.ROUTER_KINDS if kind[1] in stale]):
         if await runtime.api.delete(api_version, kind, namespace, mf.router_name(name)):
             logger.info(f"deleted {kind} {mf.router_name(name)} (routing changed)")
+    for budget in sorted(budgets_present - wanted_budgets(name, namespace, spec)):
+        if await runtime.api.delete(mf.BUDGET_API_VERSION, mf.BUDGET_KIND, namespace, budget):
+            logger.info(f"deleted {mf.BUDGET_KIND} {budget} (one pod left, or routing off)")
 
 
 def ready_endpoint(pod: Mapping[str, Any]) -> mf.Endpoint | None:
@@ -408,8 +398,8 @@ async def apply(
         return Applied(generation, None, str(problem))
     try:
         await apply_children(runtime, body, parsed, endpoints, logger)
-        await delete_stale_router_children(runtime, namespace, name, parsed, router_present, logger)
-        await delete_stale_budgets(runtime, namespace, name, parsed, budgets_present, logger)
+        present = (router_present, budgets_present)
+        await delete_stale_children(runtime, namespace, name, parsed, present, logger)
     except SpecError as problem:
         return Applied(generation, None, str(problem))
     except ApiError as problem:
