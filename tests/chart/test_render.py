@@ -32,7 +32,7 @@ from chart_helpers import (
     tool,
 )
 
-from arc_operator import rbac
+from arc_operator import manifests, rbac
 from arc_operator.__main__ import parse_args
 from arc_operator.manifests import (
     PORT,
@@ -166,6 +166,41 @@ def test_default_servingpolicy_reflects_values() -> None:
     assert spec["policy"] == "TRIO"
     assert spec["cache"] == {"blockSize": 16, "gpuMemoryUtilization": 0.9}
     assert spec["image"] == "ghcr.io/arc-serving/vllm:0.1.0"
+
+
+def test_default_disruption_gives_the_documented_grace_period_and_no_budget() -> None:
+    spec = parse_spec(one(render(), "ServingPolicy")["spec"])
+    assert spec.disruption.model_dump(by_alias=True) == {
+        "maxUnavailable": 1, "drainDelaySeconds": 5, "requestSeconds": None,
+    }  # fmt: skip
+    name = f"{RELEASE}-arc-serving"
+    pod = manifests.deployment(name, NAMESPACE, spec)["spec"]["template"]["spec"]
+    # docs/chart.md, "Disruptions": 5 + 8192 tokens at 50 tokens/s (164) + 10.
+    assert pod["terminationGracePeriodSeconds"] == 179
+    assert "PodDisruptionBudget" not in [
+        c["kind"] for c in manifests.children(name, NAMESPACE, spec, [])
+    ]
+
+
+def test_disruption_values_reach_the_servingpolicy_and_its_budget() -> None:
+    sets = {
+        "servingPolicy.replicas": "3",
+        "servingPolicy.disruption.maxUnavailable": "2",
+        "servingPolicy.disruption.drainDelaySeconds": "0",
+        "servingPolicy.disruption.requestSeconds": "300",
+    }
+    rendered = one(render(sets=sets), "ServingPolicy")["spec"]
+    assert rendered["disruption"] == {
+        "maxUnavailable": 2,
+        "drainDelaySeconds": 0,
+        "requestSeconds": 300,
+    }
+    spec = parse_spec(rendered)
+    name = f"{RELEASE}-arc-serving"
+    (budget,) = manifests.budgets(name, NAMESPACE, spec)
+    assert budget["spec"]["maxUnavailable"] == 2
+    pod = manifests.deployment(name, NAMESPACE, spec)["spec"]["template"]["spec"]
+    assert pod["terminationGracePeriodSeconds"] == 0 + 300 + manifests.EXIT_MARGIN_S
 
 
 def test_model_volume_reaches_the_servingpolicy_and_its_pods() -> None:

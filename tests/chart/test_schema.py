@@ -263,6 +263,31 @@ TRACE = "loadtest.trace"
             id="unknown-toleration-field",
         ),
         pytest.param(
+            {"servingPolicy.disruption.maxUnavailable": "0"},
+            "at '/servingPolicy/disruption/maxUnavailable': minimum: got 0, want 1",
+            id="budget-that-blocks-every-drain",
+        ),
+        pytest.param(
+            {"servingPolicy.disruption.drainDelaySeconds": "-1"},
+            "at '/servingPolicy/disruption/drainDelaySeconds'",
+            id="negative-drain-delay",
+        ),
+        pytest.param(
+            {"servingPolicy.disruption.requestSeconds": "86401"},
+            "at '/servingPolicy/disruption/requestSeconds'",
+            id="request-longer-than-a-day",
+        ),
+        pytest.param(
+            {"servingPolicy.disruption.maxUnavailable": "25%"},
+            "at '/servingPolicy/disruption/maxUnavailable'",
+            id="budget-percentage",
+        ),
+        pytest.param(
+            {"servingPolicy.disruption.grace": "10"},
+            "at '/servingPolicy/disruption': additional properties 'grace' not allowed",
+            id="unknown-disruption-field",
+        ),
+        pytest.param(
             {"httpRoute.enabled": "true"},
             "at '/httpRoute/parentRefs': minItems: got 0, want 1",
             id="httproute-without-a-gateway",
