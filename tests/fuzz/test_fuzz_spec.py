@@ -135,7 +135,8 @@ def check_agreement(spec: Any) -> Any:
     if model is not None:
         children = manifests.children("fuzz", "serving", model, [])
         kinds = [child["kind"] for child in children]
-        assert kinds == ["Deployment", "Service", "NetworkPolicy", "ConfigMap"]
+        budget = ["PodDisruptionBudget"] if model.replicas > 1 else []
+        assert kinds == ["Deployment", "Service", "NetworkPolicy", "ConfigMap", *budget]
     return model
 
 
