@@ -27,7 +27,7 @@ import json
 import math
 from collections import Counter
 from collections.abc import Hashable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -114,6 +114,18 @@ def shared_ends(requests: Sequence[TraceRequest], truth: Sequence[int]) -> list[
     return [not request.keys or reached[request.keys[-1]] == -1 for request in requests]
 
 
+def _wrong_pairs(cells: Counter[tuple[str, int]]) -> tuple[int, int]:
+    """Pairs of requests that ``cells`` (requests per (key, true session)) put together under
+    one key but in two conversations, and apart under two keys but in one conversation."""
+    keys: Counter[str] = Counter()
+    sessions: Counter[int] = Counter()
+    for (key, session), count in cells.items():
+        keys[key] += count
+        sessions[session] += count
+    both = _pairs(cells)
+    return _pairs(keys) - both, _pairs(sessions) - both
+
+
 def compare(
     requests: Sequence[TraceRequest], keys: Sequence[str], truth: Sequence[int] | None
 ) -> SessionReport:
@@ -123,9 +135,7 @@ def compare(
     if truth is None:
         return report
     cells = Counter(zip(keys, truth, strict=True))
-    together_both = _pairs(cells)
-    wrongly_together = _pairs(Counter(keys)) - together_both
-    wrongly_apart = _pairs(Counter(truth)) - together_both
+    wrongly_together, wrongly_apart = _wrong_pairs(cells)
     key_of_session = _dominant(cells, 1)
     session_of_key = _dominant(cells, 0)
     exceptions = sum(
@@ -133,29 +143,19 @@ def compare(
         for key, session in zip(keys, truth, strict=True)
         if key_of_session[session] != key or session_of_key[key] != session
     )
+    # The wrong pairs left among the requests whose prompts no other conversation shares.
     shared = shared_ends(requests, truth)
-    # Wrong pairs between two requests neither of which is shared: counted per cell pair.
     clean = Counter(
         (key, session)
         for key, session, ambiguous in zip(keys, truth, shared, strict=True)
         if not ambiguous
     )
-    clean_both = _pairs(clean)
-    clean_keys: Counter[str] = Counter()
-    clean_sessions: Counter[int] = Counter()
-    for (key, session), count in clean.items():
-        clean_keys[key] += count
-        clean_sessions[session] += count
-    unexplained = (_pairs(clean_keys) - clean_both) + (_pairs(clean_sessions) - clean_both)
-    return SessionReport(
-        len(keys),
-        len(set(keys)),
-        largest,
-        largest_count,
+    return replace(
+        report,
         true_sessions=len(set(truth)),
         wrongly_together=wrongly_together,
         wrongly_apart=wrongly_apart,
-        unexplained_pairs=unexplained,
+        unexplained_pairs=sum(_wrong_pairs(clean)),
         exception_requests=exceptions,
     )
 
