@@ -191,3 +191,12 @@ def test_the_simulator_warns_naming_the_trace_when_one_session_holds_a_quarter(
     assert CROWDED_SESSION_SHARE == 0.25
     assert main([*args, "--router", "round_robin"]) == 0  # keys no session: no warning
     assert "session" not in capsys.readouterr().err
+
+
+def test_a_bad_true_session_is_refused_naming_its_line(write_lines, capsys) -> None:
+    records = [{**mooncake(0, [SYSTEM, 70], tail=10), "true_session": 1}]
+    records.append({**mooncake(1, [SYSTEM, 71], tail=10), "true_session": "two"})
+    trace = write_lines(records, "truth.jsonl")
+    assert main(["sessions", str(trace)]) == 2
+    error = capsys.readouterr().err
+    assert f"{trace}:2: field 'true_session' must be an integer, got 'two'" in error
