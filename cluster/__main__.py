@@ -95,6 +95,9 @@ def here(cluster: LocalCluster, command: str, timeout: float, references: list[s
         running = cluster.answering()
         print(f"cluster {cluster.name}: {'answering' if running else 'not answering'}")
         print(f"processes: {cluster.pids()}")
+        stopped = cluster.stopped_components()
+        if running and stopped:
+            print(f"not running: {', '.join(stopped)} (logs in {cluster.cluster_dir}/logs)")
         node = cluster.real_node
         state = "Ready" if node.ready() else "running" if node.running() else "not running"
         print(f"real node {node.name}: {state}; processes: {node.processes()}")

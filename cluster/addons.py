@@ -84,9 +84,13 @@ def _wait_available(cluster: LocalCluster, namespace: str, name: str, deadline: 
     )  # fmt: skip
     if waited.returncode != 0:
         pods = cluster.kubectl("get", "pods", "-n", namespace, "-o", "wide").stdout
+        events = cluster.kubectl("get", "events", "-n", namespace, "--sort-by=.lastTimestamp")
+        stopped = cluster.stopped_components()
         raise ClusterError(
             f"deployment {namespace}/{name} not available after {READY_TIMEOUT_S:.0f} s: "
-            f"{waited.stderr.strip()}\n{pods}"
+            f"{waited.stderr.strip()}\n{pods}\n{events.stdout[-4000:]}"
+            f"\ncontrol plane components not running: {', '.join(stopped) or 'none'}"
+            f" (logs in {cluster.cluster_dir}/logs)"
         )
 
 

@@ -51,6 +51,14 @@ BINARY_ENV = {
     "KWOK_CONTROLLER_BINARY": "kwok",
     "KWOK_KUBECTL_BINARY": "kubectl",
 }
+# The daemons kwokctl runs, one process each, by the names it copies their binaries to.
+COMPONENTS = (
+    "etcd",
+    "kube-apiserver",
+    "kube-controller-manager",
+    "kube-scheduler",
+    "kwok-controller",
+)
 # Download prefixes of components we do not give a binary for: a local folder that does not
 # exist, so kwokctl fails with "no such file" rather than reaching for the internet.
 NO_DOWNLOAD_PREFIX_ENV = (
@@ -75,8 +83,13 @@ FALLBACK_POD_CIDR = str(list(_POD_NET.subnets(new_prefix=24))[-1])
 # Its address: an explicit one, since a loopback-only network namespace has no default route to
 # take it from, the real node's (which pods reach: cluster/node.py), and Services' addresses
 # from a range local to that namespace (cluster/netns.py) instead of the default 10.0.0.0/24;
-# the kwok controller's fallback pod range likewise.
+# the kwok controller's fallback pod range likewise. The scheduler and the controller manager
+# run once each, so without leader election: an elected one exits when it cannot renew its
+# Lease within 10 s (etcd stalled behind a large image import on a slow disk), and kwokctl's
+# binary runtime never restarts it, which would leave every new pod Pending.
 EXTRA_ARGS = (
+    "kube-scheduler=leader-elect=false",
+    "kube-controller-manager=leader-elect=false",
     "kube-apiserver=enable-admission-plugins=OwnerReferencesPermissionEnforcement",
     f"kube-apiserver=advertise-address={NODE_ADDRESS}",
     f"kube-apiserver=service-cluster-ip-range={SERVICE_RANGE}",
@@ -378,7 +391,7 @@ class LocalCluster:
         here."""
         self._check_same_namespace()
         deadline = time.monotonic() + timeout
-        if self.answering() and self.nodes_ready():
+        if self.answering() and self.nodes_ready() and not self.stopped_components():
             self._converge_real_node(deadline)
             return False
         if self.cluster_dir.exists() or self.real_node.record.exists():
@@ -488,6 +501,17 @@ class LocalCluster:
             if marker in cmdline:
                 found.append(int(entry.name))
         return sorted(found)
+
+    def stopped_components(self) -> list[str]:
+        """The control plane's components (kwokctl starts one process of each) not running."""
+        running = set()
+        for pid in self.pids():
+            try:
+                argv0 = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0", 1)[0]
+            except OSError:
+                continue
+            running.add(Path(argv0.decode(errors="replace")).name)
+        return [name for name in COMPONENTS if name not in running]
 
     def down(self, timeout: float = 60) -> None:
         """Stop the real node (while the API server answers, so that its pods are deleted

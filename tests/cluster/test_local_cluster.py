@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -31,6 +33,10 @@ def cluster_cli(out: Path, *args: str, timeout: float = 400) -> subprocess.Compl
         timeout=timeout,
         check=False,
     )
+
+
+def _cmdline(pid: int) -> bytes:
+    return Path(f"/proc/{pid}/cmdline").read_bytes()
 
 
 def assert_nothing_left(namespace: HeldNamespace, inode: int, cluster: LocalCluster) -> None:
@@ -58,10 +64,30 @@ def test_up_shell_and_down_leave_no_process(tmp_path: Path) -> None:
         routes = cluster_cli(out, "shell", "--", "ip", "route", "show", "table", "all")
         assert "default" not in routes.stdout
         assert f"local {SIMULATED_POD_RANGE} dev lo" in routes.stdout
+        # One scheduler and one controller manager, never elected: no Lease to lose when the
+        # API server is slow, which would make either exit for good.
+        assert cluster.stopped_components() == []
+        leases = cluster_cli(out, "shell", "--", "kubectl", "get", "leases", "-A", "-o", "name")
+        assert leases.returncode == 0, leases.stderr
+        assert "kube-scheduler" not in leases.stdout
+        assert "kube-controller-manager" not in leases.stdout
         # From here, outside the namespace, its API server does not answer.
         assert not cluster.answering()
         status = cluster_cli(out, "--name", cluster.name, "status")
         assert status.returncode == 0 and "answering" in status.stdout, status.stderr
+        assert "not running:" not in status.stdout
+        # A component that exits is named (a pod would wait Pending for a dead scheduler).
+        scheduler = [p for p in cluster.pids() if b"kube-scheduler\0" in _cmdline(p)]
+        assert len(scheduler) == 1, cluster.pids()
+        os.kill(scheduler[0], signal.SIGKILL)
+        wait_for(
+            "the killed scheduler named",
+            lambda: cluster.stopped_components() == ["kube-scheduler"],
+            timeout=10,
+            detail=cluster.stopped_components,
+        )
+        status = cluster_cli(out, "--name", cluster.name, "status")
+        assert "not running: kube-scheduler" in status.stdout, status.stdout
         # A cluster running in another namespace is left alone by one started from here.
         with pytest.raises(ClusterError, match="runs in another network namespace"):
             cluster.up(timeout=30)
