@@ -110,6 +110,21 @@ def test_a_run_without_failures_names_no_failure_kind() -> None:
     assert "failed requests" not in format_summary(summary)
 
 
+def test_unread_counters_are_explained_with_where_to_read_the_hit_rate() -> None:
+    reason = "404 Client Error: Not Found for url: http://ingress/metrics"
+    summary = summarize([row(0)], planned=1, start=None, end=None, duration_s=1.0,
+                        counters_error=reason)  # fmt: skip
+    assert summary["prefix_cache"] == {"hit_rate": None, "unread": reason}
+    lines = format_summary(summary).splitlines()
+    assert lines[-2] == f"prefix-cache hit rate: not read here: {reason}"
+    assert (
+        "status.hitRate" in lines[-1] and "sum(increase(vllm:prefix_cache_hits_total" in (lines[-1])
+    )
+    read = summarize([row(0)], planned=1, start=CacheCounters(1, 1), end=CacheCounters(1, 1),
+                     duration_s=1.0)  # fmt: skip
+    assert format_summary(read).endswith("prefix-cache hit rate: - (no prompt tokens queried)")
+
+
 def test_zero_request_summary_has_no_rates() -> None:
     summary = summarize([], planned=5, start=CacheCounters(1, 1), end=CacheCounters(1, 1),
                         duration_s=0.0)  # fmt: skip

@@ -261,6 +261,7 @@ class Replay:
                 self.results.start_counters = client.counters()
             except (requests.RequestException, ValueError) as error:
                 log.warning("no prefix-cache counters at start (%s): no hit rate", error)
+                self.results.counters_error = str(error)
             self.results.start_wall = time.time()
         finally:
             client.close()
@@ -421,6 +422,7 @@ class Replay:
                 end = client.settled_counters()
             except (requests.RequestException, ValueError) as error:
                 log.warning("no prefix-cache counters at the end (%s): no hit rate", error)
+                self.results.counters_error = str(error)
             finally:
                 client.close()
         return self.results.finish(end)

@@ -210,6 +210,7 @@ class Results:
         self.planned = planned
         self.rows: dict[int, dict[str, Any]] = {}
         self.start_counters: CacheCounters | None = None
+        self.counters_error: str | None = None  # why the counters could not be read
         self.start_wall = time.time()
         self.setup_error: str | None = None  # why the replay could not start, if it did not
         self.stop_reason: str | None = None  # why the replay stopped early, if it did
@@ -235,6 +236,7 @@ class Results:
             duration_s=duration,
             setup_error=self.setup_error,
             stop_reason=self.stop_reason,
+            counters_error=self.counters_error,
         )
         if self.settings.results:
             Path(self.settings.results).parent.mkdir(parents=True, exist_ok=True)

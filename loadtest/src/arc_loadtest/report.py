@@ -21,6 +21,14 @@ import numpy as np
 HITS = "vllm:prefix_cache_hits_total"
 QUERIES = "vllm:prefix_cache_queries_total"
 PERCENTILES = (50, 90, 99)
+# Where the hit rate is when the host's /metrics is not one engine's (an ingress, the router,
+# several replicas): the chart's dashboard, the custom resource's status, or Prometheus.
+WHERE_TO_READ_HIT_RATE = (
+    'read it on the dashboard "arc-serving / Prefix cache and latency" (panel "Prefix-cache '
+    "hit rate per policy\"), in the ServingPolicy's status (kubectl get servingpolicy NAME "
+    "-o jsonpath='{.status.hitRate}'), or from Prometheus: "
+    f"sum(increase({HITS}[RUN])) / sum(increase({QUERIES}[RUN])) over the run's duration"
+)
 # How a failed request failed (the locustfile's failure_kind): in flight (sent, then the
 # connection broke or the stream was cut), refused (never reached the server), a proxy's
 # gateway error, or another HTTP error answer.
@@ -50,7 +58,9 @@ def parse_counters(text: str) -> CacheCounters:
             seen.add(name)
     missing = set(totals) - seen
     if missing:
-        raise ValueError(f"the server's /metrics has no {', '.join(sorted(missing))}")
+        raise ValueError(
+            f"its /metrics has no {', '.join(sorted(missing))}: not a vLLM engine's metrics"
+        )
     return CacheCounters(hits=totals[HITS], queries=totals[QUERIES])
 
 
@@ -72,6 +82,7 @@ def summarize(
     duration_s: float,
     setup_error: str | None = None,
     stop_reason: str | None = None,
+    counters_error: str | None = None,
 ) -> dict[str, Any]:
     """The run's summary from its per-request rows.
 
@@ -85,6 +96,8 @@ def summarize(
     unreachable), None when it did not. ``failures`` counts the failed requests by kind
     (``FAILURE_KINDS``); ``requests_failed_in_flight`` is its ``in_flight`` count: requests
     the server had accepted (or whose connection broke after sending) when they failed.
+    ``prefix_cache.unread`` is why the server's counters could not be read (``counters_error``;
+    behind an ingress or a router ``/metrics`` is not the engines').
     """
     rows = list(rows)
     ok = [r for r in rows if r["ok"]]
@@ -115,7 +128,7 @@ def summarize(
         "dispatch_lag_s": percentiles([r["lag_s"] for r in rows]),
         "session_hold_s": percentiles([r["held_s"] for r in rows]),
     }
-    cache: dict[str, Any] = {"hit_rate": None}
+    cache: dict[str, Any] = {"hit_rate": None, "unread": counters_error}
     if start is not None and end is not None:
         hits, queries = end.hits - start.hits, end.queries - start.queries
         cache |= {
@@ -177,8 +190,11 @@ def format_summary(summary: dict[str, Any]) -> str:
             f"{_ms(stats['p99']):>10}{_ms(stats['mean']):>10}{stats['count']:>8}"
         )
     cache = summary["prefix_cache"]
-    if cache["hit_rate"] is None:
-        lines.append("prefix-cache hit rate: - (no counters or no queries)")
+    if cache.get("unread"):
+        lines.append(f"prefix-cache hit rate: not read here: {cache['unread']}")
+        lines.append(f"  {WHERE_TO_READ_HIT_RATE}")
+    elif cache["hit_rate"] is None:
+        lines.append("prefix-cache hit rate: - (no prompt tokens queried)")
     else:
         lines.append(
             f"prefix-cache hit rate: {cache['hit_rate']:.4f} "
