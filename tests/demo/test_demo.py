@@ -224,6 +224,24 @@ def test_plot_is_written(tmp_path: Path) -> None:
     assert path.stat().st_size > 10_000
 
 
+def test_a_long_title_is_broken_into_lines_that_fit_the_figure(tmp_path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    title = ("doc-QA trace, 600 requests, cache 1200 blocks of 16 tokens; vLLM CPU build, one "
+             "server, policy switched live; stock: the same server without the plugin")  # fmt: skip
+    figure, _ = plt.subplots(1, 2, figsize=(10, 4.2))
+    demo.save_figure(figure, tmp_path / "figure.png", title)
+    text = figure.texts[0]  # the suptitle
+    # save_figure closed the figure: a new canvas renders it again, as saved.
+    extent = text.get_window_extent(FigureCanvasAgg(figure).get_renderer())
+    assert extent.x0 >= 0.02 * figure.bbox.width and extent.x1 <= 0.98 * figure.bbox.width
+    assert text.get_text().count("\n") == 1 and text.get_text().replace("\n", " ") == title
+
+
 # ------------------------------------------------------------------ plugin counters
 def plugin_metrics_page(hits: int, queries: int, active: str) -> str:
     """The exposition text of the plugin's real metric objects."""

@@ -52,6 +52,7 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 import urllib.error
 import urllib.request
@@ -603,11 +604,19 @@ def plot_comparison(
     return save_figure(figure, path, title)
 
 
+TITLE_WIDTH_SHARE = 0.95  # of the figure's width: a title wider is broken into lines
+
+
 def save_figure(figure: Any, path: Path, title: str) -> Path:
-    """Title ``figure``, write it to ``path`` as PNG (folders made) and free it."""
+    """Title ``figure`` (in as many lines as it needs to fit ``TITLE_WIDTH_SHARE`` of its
+    width), write it to ``path`` as PNG (folders made) and free it."""
     import matplotlib.pyplot as plt
 
-    figure.suptitle(title, fontsize=10)
+    text = figure.suptitle(title, fontsize=10)
+    width = text.get_window_extent(figure.canvas.get_renderer()).width
+    room = TITLE_WIDTH_SHARE * figure.bbox.width
+    if width > room:
+        text.set_text(textwrap.fill(title, max(20, int(len(title) * room / width))))
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=120)
