@@ -677,10 +677,14 @@ state = "/run/containerd"
             # The disk and memory are the machine's, shared: evict only when nearly out.
             "evictionHard": {
                 "memory.available": "100Mi",
-                "nodefs.available": "1%",
-                "imagefs.available": "1%",
+                "nodefs.available": "500Mi",
+                "imagefs.available": "500Mi",
                 "nodefs.inodesFree": "1%",
             },
+            # An image import fills the disk for a moment (buildah stages each layer in
+            # /var/tmp): the pressure taint, which keeps every new pod Pending, goes 10 s
+            # after the space is back instead of the default 5 min.
+            "evictionPressureTransitionPeriod": "10s",
             # A ConfigMap edit reaches the files of a volume mounting it at the pod's next
             # sync (up to this period plus the kubelet's cache TTL); the default 1 min would
             # make a live policy switch take a minute on this node.
