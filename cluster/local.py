@@ -487,10 +487,11 @@ class LocalCluster:
                 "(make cluster-down)"
             )
 
-    def pids(self) -> list[int]:
-        """Processes running from this cluster's work dir (kwokctl's daemons), by /proc."""
+    def _processes(self) -> dict[int, bytes]:
+        """Processes running from this cluster's work dir (kwokctl's daemons), by /proc: their
+        command lines."""
         marker = str(self.workdir).encode()
-        found = []
+        found = {}
         for entry in Path("/proc").iterdir():
             if not entry.name.isdigit() or int(entry.name) == os.getpid():
                 continue
@@ -499,18 +500,19 @@ class LocalCluster:
             except OSError:
                 continue
             if marker in cmdline:
-                found.append(int(entry.name))
-        return sorted(found)
+                found[int(entry.name)] = cmdline
+        return found
+
+    def pids(self) -> list[int]:
+        """Processes running from this cluster's work dir (kwokctl's daemons), by /proc."""
+        return sorted(self._processes())
 
     def stopped_components(self) -> list[str]:
         """The control plane's components (kwokctl starts one process of each) not running."""
-        running = set()
-        for pid in self.pids():
-            try:
-                argv0 = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0", 1)[0]
-            except OSError:
-                continue
-            running.add(Path(argv0.decode(errors="replace")).name)
+        running = {
+            Path(cmdline.split(b"\0", 1)[0].decode(errors="replace")).name
+            for cmdline in self._processes().values()
+        }
         return [name for name in COMPONENTS if name not in running]
 
     def down(self, timeout: float = 60) -> None:
