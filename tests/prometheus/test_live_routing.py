@@ -120,6 +120,11 @@ FACTOR = float(
 # same moment may lie apart; a judgement that moving the window's ends by this much changes
 # is not clear, and the alert is not compared with it.
 SLACK_S = 2 * SCRAPE_S
+# How far Prometheus's ratio of a pod's rate to its fleet's may lie from the counters' plain
+# increases: rate() extrapolates each pod's increase from its own first and last scrape in the
+# window to the window's ends, about one scrape interval at each end, which weighs the pods of
+# the fleet's sum differently. A pod this close to the threshold is not a clear judgement.
+SHARE_SLACK = 2 * SCRAPE_S / RATE_WINDOW_S
 # Judged evaluations the healthy window must hold: enough for a condition that held
 # throughout to take the alert to firing, and a few more.
 JUDGED_EVALUATIONS = math.ceil(FOR_S / SCRAPE_S) + 5
@@ -197,25 +202,36 @@ def counts(readings: Sequence[Reading], start: float, end: float) -> Counts:
                   last.requests - first.requests)  # fmt: skip
 
 
-def low_replicas(readings: dict[str, list[Reading]], start: float, end: float) -> set[str]:
-    """The pods whose hit rate over ``start`` .. ``end`` is under FACTOR times the fleet's: the
-    hit-rate rule's condition, judged from the servers' own counters (a pod that served no
-    prompt token has no rate, as in the rule)."""
+def threshold_shares(readings: dict[str, list[Reading]], start: float, end: float
+                     ) -> dict[str, float]:  # fmt: skip
+    """Each pod's hit rate over ``start`` .. ``end`` divided by FACTOR times the fleet's, from
+    the servers' own counters: under 1 is the hit-rate rule's condition. A pod that served no
+    prompt token has no rate and is left out, as in the rule."""
     per_pod = {pod: counts(found, start, end) for pod, found in readings.items()}
     fleet = Counts(*(sum(getattr(c, f) for c in per_pod.values())
                      for f in ("hits", "queries", "requests")))  # fmt: skip
-    return {pod for pod, c in per_pod.items()
-            if c.queries and c.hit_rate < FACTOR * fleet.hit_rate}  # fmt: skip
+    threshold = FACTOR * fleet.hit_rate
+    return {pod: c.hit_rate / threshold if threshold else math.inf
+            for pod, c in per_pod.items() if c.queries}  # fmt: skip
+
+
+def low_replicas(readings: dict[str, list[Reading]], start: float, end: float) -> set[str]:
+    """The pods the hit-rate rule's condition holds for over ``start`` .. ``end``."""
+    return {pod for pod, share in threshold_shares(readings, start, end).items() if share < 1}
 
 
 def judgement(readings: dict[str, list[Reading]], at: float) -> set[str] | None:
     """The pods the rule's condition holds for at the evaluation at ``at``, over the rule's
-    window; None when moving either end of the window by SLACK_S changes the answer."""
-    found = {
-        frozenset(low_replicas(readings, at - RATE_WINDOW_S + start, at + end))
+    window; None when moving either end of the window by SLACK_S changes the answer, or when
+    a pod's rate lies within SHARE_SLACK of the threshold."""
+    shares = [
+        threshold_shares(readings, at - RATE_WINDOW_S + start, at + end)
         for start in (-SLACK_S, SLACK_S)
         for end in (-SLACK_S, SLACK_S)
-    }
+    ]
+    if any(abs(share - 1) < SHARE_SLACK for found in shares for share in found.values()):
+        return None
+    found = {frozenset(pod for pod, share in each.items() if share < 1) for each in shares}
     return set(next(iter(found))) if len(found) == 1 else None
 
 
