@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import yaml
 
+from arc_serving_common.names import POLICY_ENV
 from tests.cluster.helpers import (
     CHART,
     DEPRECATION,
@@ -153,7 +154,7 @@ def test_rollback_across_a_switch_mode_change_puts_the_pod_template_back(
 
     def template_says(policy: str) -> dict[str, Any] | None:
         d = kube.get("deployment", name, "-n", ns)
-        ok = d and {"name": "ARC_EVICTOR_POLICY", "value": policy} in _env(d)
+        ok = d and {"name": POLICY_ENV, "value": policy} in _env(d)
         return d if ok and not _mounts_configmap(d) else None
 
     restart = wait_for("the pod template to name arc", lambda: template_says("arc"))
@@ -166,7 +167,7 @@ def test_rollback_across_a_switch_mode_change_puts_the_pod_template_back(
     def hot_again() -> dict[str, Any] | None:
         d = kube.get("deployment", name, "-n", ns)
         names = {e["name"] for e in _env(d)} if d else set()
-        ok = d and _mounts_configmap(d) and "ARC_EVICTOR_POLICY" not in names
+        ok = d and _mounts_configmap(d) and POLICY_ENV not in names
         return d if ok and configured_policy(kube, ns, name) == {"policy": "trio"} else None
 
     hot = wait_for("the pod template to mount the ConfigMap again, which says trio", hot_again)

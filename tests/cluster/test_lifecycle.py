@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from arc_serving_common.names import POLICY_ENV
 from tests.cluster.helpers import (
     Kube,
     MakePolicy,
@@ -62,7 +63,7 @@ def test_restart_switch_rolls_the_pods(
     deployment = kube.get("deployment", name, "-n", ns)
     assert deployment is not None
     container = deployment["spec"]["template"]["spec"]["containers"][0]
-    assert {"name": "ARC_EVICTOR_POLICY", "value": "arc"} in container["env"]
+    assert {"name": POLICY_ENV, "value": "arc"} in container["env"]
     # Restart mode mounts no ConfigMap: the policy comes from the template.
     assert all("configMap" not in v for v in deployment["spec"]["template"]["spec"]["volumes"])
     old_pods = {p["metadata"]["name"] for p in ready_pods(kube, ns, name)}
@@ -74,7 +75,7 @@ def test_restart_switch_rolls_the_pods(
         pods = {p["metadata"]["name"] for p in ready_pods(kube, ns, name)}
         status = d.get("status", {})
         return (
-            {"name": "ARC_EVICTOR_POLICY", "value": "lru"} in env
+            {"name": POLICY_ENV, "value": "lru"} in env
             and status.get("observedGeneration") == d["metadata"]["generation"]
             and status.get("updatedReplicas") == 1
             and status.get("replicas") == 1

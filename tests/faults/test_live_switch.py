@@ -28,6 +28,7 @@ from arc_harness.vllm_server import VllmServer
 from arc_loadtest.run import run_replay
 from arc_loadtest.stream import completion_body
 from arc_loadtest.tokens import TokenMapper, vocabulary_from_tokenizer
+from arc_serving_common.names import CONFIG_ENV, POLL_MS_ENV
 from arc_serving_common.traces import read_trace
 from tests.faults.serving import BLOCK_TOKENS, docqa_trace, metric_sum
 from tests.replay_budget import replay_run_time_s
@@ -64,7 +65,7 @@ def server(
     model_dir: Path, policy_file: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[VllmServer]:
     log = tmp_path_factory.mktemp("switch-vllm") / "vllm.log"
-    env = {"ARC_EVICTOR_CONFIG": str(policy_file), "ARC_EVICTOR_POLL_MS": "100"}
+    env = {CONFIG_ENV: str(policy_file), POLL_MS_ENV: "100"}
     # 64 cacheable blocks (+ the null block): the trace's documents do not all fit.
     with VllmServer(
         model_dir, block_size=BLOCK_TOKENS, num_gpu_blocks=65, env=env, log_path=log

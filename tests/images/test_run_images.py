@@ -23,6 +23,7 @@ import pytest
 from containers import Bind, Container
 
 from arc_harness.vllm_server import free_port
+from arc_serving_common.names import POLICY_ENV
 
 pytestmark = pytest.mark.slow
 
@@ -159,7 +160,7 @@ def serving(
         "float32",
     ]
     env = {
-        "ARC_EVICTOR_POLICY": "arc",
+        POLICY_ENV: "arc",
         "VLLM_API_KEY": api_key,
         "VLLM_CPU_KVCACHE_SPACE": "1",
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from arc_harness.vllm_server import VllmServer
+from arc_serving_common.names import CONFIG_ENV, POLL_MS_ENV
 from tests.kv_events.events import EventStream
 
 BLOCK = 32  # vLLM's CPU block size must be a multiple of 32
@@ -53,8 +54,8 @@ def server(
         "topic": "",
     }
     env = {
-        "ARC_EVICTOR_CONFIG": str(policy_file),
-        "ARC_EVICTOR_POLL_MS": "50",
+        CONFIG_ENV: str(policy_file),
+        POLL_MS_ENV: "50",
         "VLLM_SERVER_DEV_MODE": "1",
     }
     with VllmServer(

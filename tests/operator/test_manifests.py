@@ -13,7 +13,7 @@ import yaml
 
 from arc_operator import crd, manifests, rbac
 from arc_operator.models import OperatorConfig, SpecError, parse_spec
-from arc_serving_common.names import POLICY_NAMES
+from arc_serving_common.names import CONFIG_ENV, POLICY_ENV, POLICY_NAMES
 from tests.operator.conftest import make_spec
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -54,7 +54,7 @@ def test_valid_spec_parses_with_defaults() -> None:
         ({"engineArgs": ["--block-si", "32"]}, "engineArgs may not set --block-size"),
         ({"resources": {"cpu": "four"}}, "spec.resources.cpu: String should match pattern"),
         ({"resources": {"memory": "-1Gi"}}, "spec.resources.memory: String should match"),
-        ({"env": [{"name": "ARC_EVICTOR_POLICY", "value": "lru"}]}, "env may not set"),
+        ({"env": [{"name": POLICY_ENV, "value": "lru"}]}, "env may not set"),
         ({"env": [{"name": "PROMETHEUS_MULTIPROC_DIR", "value": "/x"}]}, "env may not set"),
         ({"color": "blue"}, "spec.color: Extra inputs are not permitted"),
         # The API key: only from a Secret, never as a literal in env or on the command line.
@@ -114,8 +114,8 @@ def test_hot_pods_mount_the_policy_configmap() -> None:
     template = template_of("Hot", "ARC")
     (container,) = template["spec"]["containers"]
     env = {var["name"]: var.get("value") for var in container["env"]}
-    assert env["ARC_EVICTOR_CONFIG"] == "/etc/arc-evictor/policy.json"
-    assert "ARC_EVICTOR_POLICY" not in env
+    assert env[CONFIG_ENV] == "/etc/arc-evictor/policy.json"
+    assert POLICY_ENV not in env
     assert {"name": "policy", "configMap": {"name": "demo-policy"}} in template["spec"]["volumes"]
     assert {"name": "policy", "mountPath": "/etc/arc-evictor", "readOnly": True} in container[
         "volumeMounts"
@@ -127,8 +127,8 @@ def test_restart_pods_take_the_policy_from_env_and_never_read_the_configmap() ->
     template = template_of("Restart", "ARC")
     (container,) = template["spec"]["containers"]
     env = {var["name"]: var.get("value") for var in container["env"]}
-    assert env["ARC_EVICTOR_POLICY"] == "arc"
-    assert "ARC_EVICTOR_CONFIG" not in env
+    assert env[POLICY_ENV] == "arc"
+    assert CONFIG_ENV not in env
     assert "policy" not in {volume["name"] for volume in template["spec"]["volumes"]}
     assert "policy" not in {mount["name"] for mount in container["volumeMounts"]}
     # The ConfigMap still records the policy (for people and tools reading it).
@@ -159,7 +159,7 @@ def test_deployment_args_follow_the_spec() -> None:
         "--max-num-seqs", "8",
     ]  # fmt: skip
     env = {var["name"]: var.get("value") for var in container["env"]}
-    assert env["ARC_EVICTOR_CONFIG"] == "/etc/arc-evictor/policy.json"
+    assert env[CONFIG_ENV] == "/etc/arc-evictor/policy.json"
     # The plugin's metrics leave the engine-core process through multiprocess files.
     assert env["PROMETHEUS_MULTIPROC_DIR"] == "/var/run/arc-evictor/prometheus"
     mounts = {mount["name"]: mount["mountPath"] for mount in container["volumeMounts"]}

@@ -15,6 +15,7 @@ import pytest
 
 from arc_operator import FIELD_MANAGER, GROUP, rbac
 from arc_operator.handlers import CHILD_KINDS
+from arc_serving_common.names import CONFIG_ENV, POLICY_ENV
 from tests.operator.conftest import (
     BUDGETS,
     CONFIGMAPS,
@@ -174,15 +175,15 @@ def engine_env(cluster, name: str) -> dict[str, str | None]:
 async def test_restart_switch_changes_the_pod_template(cluster, operator) -> None:
     await create_sp(cluster, "demo", make_spec(policy="LRU", switchMode="Restart"))
     await eventually(lambda: stored(cluster, DEPLOYMENTS, "demo"))
-    assert engine_env(cluster, "demo")["ARC_EVICTOR_POLICY"] == "lru"
+    assert engine_env(cluster, "demo")[POLICY_ENV] == "lru"
 
     await edit_spec(cluster, "demo", 2, policy="ARC")
-    await eventually(lambda: engine_env(cluster, "demo")["ARC_EVICTOR_POLICY"] == "arc")
+    await eventually(lambda: engine_env(cluster, "demo")[POLICY_ENV] == "arc")
     strategy = stored(cluster, DEPLOYMENTS, "demo")["spec"]["strategy"]
     assert strategy["rollingUpdate"]["maxUnavailable"] == 0
     # Old pods would not switch live: nothing in the template points at the ConfigMap.
     template = template_of(cluster, "demo")
-    assert "ARC_EVICTOR_CONFIG" not in engine_env(cluster, "demo")
+    assert CONFIG_ENV not in engine_env(cluster, "demo")
     assert all("configMap" not in volume for volume in template["spec"]["volumes"])
     # The ConfigMap (applied after the Deployment) still records the policy.
     await eventually(

@@ -10,6 +10,7 @@ import yaml
 
 from arc_operator import render
 from arc_operator.models import OperatorConfig
+from arc_serving_common.names import CONFIG_ENV, POLICY_ENV
 from tests.operator.conftest import ROUTER_IMAGE, SERVING_PEERS, make_servingpolicy, make_spec
 
 
@@ -30,7 +31,7 @@ def test_every_servingpolicy_is_rendered_in_both_switch_modes(
     assert render.main([str(source), str(tmp_path / "out")]) == 0
     files = sorted(path.name for path in (tmp_path / "out").iterdir())
     assert files == ["serving-demo-hot.yaml", "serving-demo-restart.yaml"]
-    for name, env in [("hot", "ARC_EVICTOR_CONFIG"), ("restart", "ARC_EVICTOR_POLICY")]:
+    for name, env in [("hot", CONFIG_ENV), ("restart", POLICY_ENV)]:
         text = (tmp_path / "out" / f"serving-demo-{name}.yaml").read_text()
         children = list(yaml.safe_load_all(text))
         kinds = [child["kind"] for child in children]

@@ -10,6 +10,7 @@ import vllm
 
 import arc_evictor.vllm_plugin as plugin
 from arc_evictor.vllm_plugin.version import UnsupportedVllmError, check_vllm_version, vllm_series
+from arc_serving_common.names import CONFIG_ENV, POLICY_ENV
 
 
 @pytest.mark.parametrize("version", ["0.31.1", "0.34.0", "1.32.0", "0.3.2"])
@@ -29,8 +30,8 @@ def test_each_supported_release_maps_to_its_series(version: str, series: str) ->
 def test_register_checks_the_version_before_importing_vllm_internals(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setenv("ARC_EVICTOR_POLICY", "lru")
-    monkeypatch.delenv("ARC_EVICTOR_CONFIG", raising=False)
+    monkeypatch.setenv(POLICY_ENV, "lru")
+    monkeypatch.delenv(CONFIG_ENV, raising=False)
     monkeypatch.delenv("VLLM_API_KEY", raising=False)
     monkeypatch.setattr(plugin, "_runtime", None)
     # Importing the module that patches vLLM now fails, as it may on another vLLM whose
@@ -51,8 +52,8 @@ def test_register_checks_the_version_before_importing_vllm_internals(
 
 
 def test_register_does_nothing_without_settings(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("ARC_EVICTOR_POLICY", raising=False)
-    monkeypatch.delenv("ARC_EVICTOR_CONFIG", raising=False)
+    monkeypatch.delenv(POLICY_ENV, raising=False)
+    monkeypatch.delenv(CONFIG_ENV, raising=False)
     monkeypatch.delenv("VLLM_API_KEY", raising=False)
     monkeypatch.setattr(plugin, "_runtime", None)
     monkeypatch.setattr(vllm, "__version__", "0.31.1")  # not even checked
@@ -69,8 +70,8 @@ def test_an_api_key_alone_installs_the_guard_on_the_supported_vllm_only(
 
     # Restored at teardown: the patch is process-wide.
     monkeypatch.setattr(AuthenticationMiddleware, "__call__", AuthenticationMiddleware.__call__)
-    monkeypatch.delenv("ARC_EVICTOR_POLICY", raising=False)
-    monkeypatch.delenv("ARC_EVICTOR_CONFIG", raising=False)
+    monkeypatch.delenv(POLICY_ENV, raising=False)
+    monkeypatch.delenv(CONFIG_ENV, raising=False)
     monkeypatch.setenv("VLLM_API_KEY", "k")
     monkeypatch.setattr(plugin, "_runtime", None)
     monkeypatch.setattr(plugin, "_guarded", False)

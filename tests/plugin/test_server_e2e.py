@@ -19,7 +19,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from arc_harness.vllm_server import VllmServer, VllmServerError
-from arc_serving_common.names import METRIC_NAMES
+from arc_serving_common.names import CONFIG_ENV, METRIC_NAMES, POLICY_ENV, POLL_MS_ENV
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -37,7 +37,7 @@ def config_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def server(model_dir: Path, config_file: Path, tmp_path_factory: pytest.TempPathFactory):
     log = tmp_path_factory.mktemp("log") / "server.log"
-    env = {"ARC_EVICTOR_CONFIG": str(config_file), "ARC_EVICTOR_POLL_MS": "100"}
+    env = {CONFIG_ENV: str(config_file), POLL_MS_ENV: "100"}
     with VllmServer(
         model_dir,
         block_size=BLOCK,
@@ -242,7 +242,7 @@ def test_malformed_policy_file_keeps_the_running_policy(
 
 def test_unknown_policy_stops_start_up_naming_valid_policies(model_dir: Path) -> None:
     started = time.monotonic()
-    bad = VllmServer(model_dir, num_gpu_blocks=NUM_BLOCKS, env={"ARC_EVICTOR_POLICY": "fifo"})
+    bad = VllmServer(model_dir, num_gpu_blocks=NUM_BLOCKS, env={POLICY_ENV: "fifo"})
     with pytest.raises(VllmServerError, match="valid policies: lru"):
         bad.start()
     assert time.monotonic() - started < 120

@@ -23,6 +23,7 @@ import pytest
 from test_server_e2e import complete, metrics, prompt, value, wait_for
 
 from arc_harness.vllm_server import VllmServer
+from arc_serving_common.names import POLICY_ENV
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -69,7 +70,7 @@ def test_sliding_window_model_serves_with_the_plugin_and_hits_per_group(
         num_gpu_blocks=49,  # two groups need a block each per 32 tokens of max_model_len
         max_model_len=512,
         served_model_name="tiny",
-        env={"ARC_EVICTOR_POLICY": policy},
+        env={POLICY_ENV: policy},
         log_path=tmp_path / "server.log",
     ) as server:
         assert f"evicts by {policy}" in server.log_tail(4000)
@@ -112,7 +113,7 @@ def test_hybrid_model_hashed_finer_than_its_blocks_decodes_across_a_block(
         num_gpu_blocks=49,
         max_model_len=512,
         served_model_name="tiny",
-        env={"ARC_EVICTOR_POLICY": policy},
+        env={POLICY_ENV: policy},
         extra_args=["--prefix-match-unit", "16"],
         log_path=tmp_path / "server.log",
     ) as server:

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from arc_evictor.vllm_plugin.config import PluginConfigError, PolicyFileWatcher, Settings
+from arc_serving_common.names import CONFIG_ENV, POLICY_ENV, POLL_MS_ENV
 
 
 def test_plugin_is_off_without_either_variable() -> None:
@@ -19,18 +20,18 @@ def test_unknown_policy_name_lists_valid_names() -> None:
     with pytest.raises(
         PluginConfigError, match="unknown eviction policy 'fifo'; valid policies: lru"
     ):
-        Settings.from_env({"ARC_EVICTOR_POLICY": "fifo"})
+        Settings.from_env({POLICY_ENV: "fifo"})
 
 
 def test_policy_name_is_case_insensitive() -> None:
-    settings = Settings.from_env({"ARC_EVICTOR_POLICY": "ARC"})
+    settings = Settings.from_env({POLICY_ENV: "ARC"})
     assert settings is not None and settings.policy == "arc" and settings.config_path is None
 
 
 def test_config_file_wins_and_must_be_valid_at_start(tmp_path: Path) -> None:
     path = tmp_path / "policy.json"
     path.write_text(json.dumps({"policy": "dbl"}))
-    settings = Settings.from_env({"ARC_EVICTOR_POLICY": "lru", "ARC_EVICTOR_CONFIG": str(path)})
+    settings = Settings.from_env({POLICY_ENV: "lru", CONFIG_ENV: str(path)})
     assert settings is not None and settings.policy == "dbl"
     for text, problem in [
         ("{", "not JSON"),
@@ -40,14 +41,14 @@ def test_config_file_wins_and_must_be_valid_at_start(tmp_path: Path) -> None:
     ]:
         path.write_text(text)
         with pytest.raises(PluginConfigError, match=problem):
-            Settings.from_env({"ARC_EVICTOR_CONFIG": str(path)})
+            Settings.from_env({CONFIG_ENV: str(path)})
     with pytest.raises(PluginConfigError, match="cannot read"):
-        Settings.from_env({"ARC_EVICTOR_CONFIG": str(tmp_path / "missing.json")})
+        Settings.from_env({CONFIG_ENV: str(tmp_path / "missing.json")})
 
 
 def test_bad_poll_interval_is_refused() -> None:
-    with pytest.raises(PluginConfigError, match="ARC_EVICTOR_POLL_MS"):
-        Settings.from_env({"ARC_EVICTOR_POLICY": "lru", "ARC_EVICTOR_POLL_MS": "fast"})
+    with pytest.raises(PluginConfigError, match=POLL_MS_ENV):
+        Settings.from_env({POLICY_ENV: "lru", POLL_MS_ENV: "fast"})
 
 
 def test_watcher_reports_a_change_once_and_keeps_policy_on_bad_file(tmp_path: Path) -> None:
