@@ -13,7 +13,6 @@ from __future__ import annotations
 import copy
 import json
 import secrets
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -21,11 +20,7 @@ from typing import Any
 import pytest
 import yaml
 
-# `.venv/bin/pytest` (unlike `python -m pytest`) does not put the repository root on sys.path,
-# where the `cluster` package and `tests.cluster.helpers` live.
 REPO = Path(__file__).resolve().parents[2]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 
 from cluster.local import BINARY_ENV, LocalCluster  # noqa: E402
 from tests.cluster.helpers import (  # noqa: E402

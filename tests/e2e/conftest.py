@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -21,8 +20,6 @@ from typing import Any
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 
 from cluster import addons  # noqa: E402
 from cluster.local import LocalCluster  # noqa: E402

@@ -13,15 +13,10 @@ loaded; each fuzz test takes it by name.
 
 from __future__ import annotations
 
-import sys
 from collections import Counter
-from pathlib import Path
-
-import pytest
-
-sys.path.insert(0, str(Path(__file__).parent))  # the fuzz_support module next to the tests
 
 import fuzz_support  # registers the profile
+import pytest
 
 from tests.conftest import FUZZ_CASES, print_fuzz_cases
 

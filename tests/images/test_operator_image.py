@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import secrets
-import sys
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -17,10 +16,6 @@ import pytest
 from containers import REPO, Bind, Container
 
 from arc_harness.vllm_server import free_port
-
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
 from cluster.local import LocalCluster
 
 pytestmark = pytest.mark.slow

@@ -7,13 +7,9 @@ run in their own processes.
 
 from __future__ import annotations
 
-import sys
 import warnings
-from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).parent))  # the managers module next to the tests
 
 with warnings.catch_warnings():
     # torch 2.13's torch.utils.mkldnn (imported by vLLM through torch.compile) still uses
