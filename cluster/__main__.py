@@ -15,18 +15,16 @@ test run has a loopback-only namespace of its own).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
 from pathlib import Path
 
 from cluster import addons
-from cluster.local import CLUSTER_NAME, REPO, ClusterError, LocalCluster
+from cluster.images import BUILT_IMAGES, built_images
+from cluster.local import CLUSTER_NAME, ClusterError, LocalCluster
 from cluster.netns import NamespaceError
 from cluster.node import NodeError
-
-BUILT_IMAGES = REPO / "out" / "images" / "built.json"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -71,12 +69,11 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
-def built_references() -> list[str]:
+def every_built_reference() -> list[str]:
     """Every image `make images-local` (dev/build_images.py) recorded."""
-    try:
-        built = json.loads(BUILT_IMAGES.read_text())
-    except OSError as error:
-        raise ClusterError(f"no {BUILT_IMAGES}: run make images-local, or name images") from error
+    built = built_images()
+    if not built:
+        raise ClusterError(f"no {BUILT_IMAGES}: run make images-local, or name images")
     return [str(image["reference"]) for image in built.values()]
 
 
@@ -104,7 +101,7 @@ def here(cluster: LocalCluster, command: str, timeout: float, references: list[s
         return 0 if running else 1
     elif command == "import-images":
         try:
-            imported = cluster.real_node.import_images(references or built_references())
+            imported = cluster.real_node.import_images(references or every_built_reference())
         except NodeError as error:
             raise ClusterError(str(error)) from error
         for reference, seconds in imported.items():

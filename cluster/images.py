@@ -22,6 +22,31 @@ from pathlib import Path
 from typing import Any
 
 RECIPE_LABEL = "org.arc-serving.image-recipe"
+# What dev/build_images.py records of each product image it builds (name -> reference, builder,
+# base, seconds, size_bytes): the one place its path is written down.
+BUILT_IMAGES = Path(__file__).resolve().parents[1] / "out" / "images" / "built.json"
+
+
+class ImagesNotBuilt(LookupError):
+    """A product image was asked for that `make images-local` has not built here."""
+
+
+def built_images() -> dict[str, dict[str, Any]]:
+    """Each product image built here, by name (empty when none was)."""
+    if not BUILT_IMAGES.is_file():
+        return {}
+    return dict(json.loads(BUILT_IMAGES.read_text(encoding="utf-8")))
+
+
+def built_references(names: Sequence[str]) -> dict[str, str]:
+    """Image name -> reference for ``names``; ImagesNotBuilt names those missing."""
+    built = built_images()
+    missing = [name for name in names if name not in built]
+    if missing:
+        raise ImagesNotBuilt(
+            f"images not built here: {missing} ({BUILT_IMAGES}; make images-local)"
+        )
+    return {name: str(built[name]["reference"]) for name in names}
 
 
 def _buildah(*args: str) -> str:

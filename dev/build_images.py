@@ -30,14 +30,17 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+# Run as a script: its neighbour and the cluster package (the images' record) by path.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
 from install_vllm_cpu import TORCH_VERSION, cpu_torch_resolves
+
+from cluster.images import BUILT_IMAGES, built_images
 
 REPO = Path(__file__).resolve().parent.parent
 IMAGES = ("vllm", "vllm-cpu", "operator", "loadtest", "router")
 # Built on vLLM's official image, which no Debian or PyPI mirror serves.
 REGISTRY_ONLY = frozenset({"vllm"})
-BUILT = REPO / "out" / "images" / "built.json"
 
 UPSTREAM_BASE = "docker.io/library/python:3.11.11-slim-bookworm"
 STANDIN_BASE = "localhost/arc-serving/python-standin:3.11-bookworm"
@@ -266,9 +269,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         names = [name for name in names if name not in REGISTRY_ONLY]
         base = standin_base(engine)
     say(f"building {', '.join(names)} with {engine}")
-    built: dict[str, Built] = {}
-    if BUILT.is_file():
-        built = {n: Built(**b) for n, b in json.loads(BUILT.read_text(encoding="utf-8")).items()}
+    built = {name: Built(**record) for name, record in built_images().items()}
     for name in names:
         reference = f"{args.registry}/{name}:{args.tag}"
         image, _, tag = base.rpartition(":")
@@ -281,8 +282,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         built[name] = Built(
             name, reference, engine, base, round(seconds, 1), image_size(engine, reference)
         )
-        BUILT.parent.mkdir(parents=True, exist_ok=True)
-        BUILT.write_text(json.dumps({n: asdict(b) for n, b in built.items()}, indent=2) + "\n")
+        BUILT_IMAGES.parent.mkdir(parents=True, exist_ok=True)
+        BUILT_IMAGES.write_text(
+            json.dumps({n: asdict(b) for n, b in built.items()}, indent=2) + "\n"
+        )
     for name in names:
         entry = built[name]
         say(f"{entry.reference}: {entry.size_bytes / 1e6:,.0f} MB, built in {entry.seconds:.0f} s")

@@ -14,16 +14,13 @@ import copy
 import json
 import secrets
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
-REPO = Path(__file__).resolve().parents[2]
-
-from cluster.local import BINARY_ENV, LocalCluster  # noqa: E402
-from tests.cluster.helpers import (  # noqa: E402
+from cluster.local import BINARY_ENV, LocalCluster
+from tests.cluster.helpers import (
     CHART,
     EXAMPLE,
     OUT,

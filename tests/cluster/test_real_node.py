@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 
+from cluster.images import ImagesNotBuilt, built_references
 from cluster.local import NODE_NAMES, LocalCluster
 from cluster.netns import NODE_ADDRESS, REAL_POD_RANGE, SERVICE_RANGE
 from cluster.node import REAL_NODE_LABELS, REAL_NODE_NAME, NodeError, RealNode, cgroup_mounts
@@ -32,19 +33,16 @@ pytestmark = pytest.mark.slow
 
 OUT = REPO / "out" / "cluster-real-node"
 NAME = "arc-real-node"
-BUILT_IMAGES = REPO / "out" / "images" / "built.json"
 NAMESPACE = "real-node"
 PORT = 8080
 
 
 def image() -> str:
     """The operator image as `make images-local` built it: the smallest with a Python."""
-    if not BUILT_IMAGES.is_file():
-        pytest.fail(f"{BUILT_IMAGES} is missing: run `make images-local`")
-    built = json.loads(BUILT_IMAGES.read_text())
-    if "operator" not in built:
-        pytest.fail("the operator image was not built: run `make images-local`")
-    return str(built["operator"]["reference"])
+    try:
+        return built_references(["operator"])["operator"]
+    except ImagesNotBuilt as error:
+        pytest.fail(str(error))
 
 
 @pytest.fixture(scope="module")

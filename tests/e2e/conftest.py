@@ -19,28 +19,25 @@ from typing import Any
 
 import pytest
 
+from cluster import addons
+from cluster.images import ImagesNotBuilt, built_references
+from cluster.local import LocalCluster
+from tests.cluster.helpers import Kube, ready_pods_matching, wait_for
+
 REPO = Path(__file__).resolve().parents[2]
 
-from cluster import addons  # noqa: E402
-from cluster.local import LocalCluster  # noqa: E402
-from tests.cluster.helpers import Kube, ready_pods_matching, wait_for  # noqa: E402
-
 OUT = REPO / "out" / "e2e"
-BUILT_IMAGES = REPO / "out" / "images" / "built.json"
 # The product images the chart deploys here (the GPU engine's cannot be built on this machine).
 PRODUCT_IMAGES = ("operator", "vllm-cpu", "router", "loadtest")
 START_TIMEOUT_S = 600.0
 
 
-def built_references() -> dict[str, str]:
+def product_references() -> dict[str, str]:
     """Image name → reference, as `make images-local` recorded its builds."""
-    if not BUILT_IMAGES.is_file():
-        pytest.fail(f"{BUILT_IMAGES} is missing: run `make images-local` first")
-    built = json.loads(BUILT_IMAGES.read_text())
-    missing = [name for name in PRODUCT_IMAGES if name not in built]
-    if missing:
-        pytest.fail(f"images not built: {missing} (make images-local)")
-    return {name: built[name]["reference"] for name in PRODUCT_IMAGES}
+    try:
+        return built_references(PRODUCT_IMAGES)
+    except ImagesNotBuilt as error:
+        pytest.fail(str(error))
 
 
 def memory_used_bytes() -> int:
@@ -92,7 +89,7 @@ def cluster(figures: dict[str, Any]) -> Iterator[LocalCluster]:
     created = local.up(timeout=START_TIMEOUT_S)
     figures["cluster_start_s"] = round(time.monotonic() - started, 1)
     try:
-        references = built_references()
+        references = product_references()
         started = time.monotonic()
         local.real_node.import_images(list(references.values()))
         figures["image_import_s"] = round(time.monotonic() - started, 1)

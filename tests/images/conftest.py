@@ -6,7 +6,9 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from containers import built_images, runner_missing
+from containers import runner_missing
+
+from cluster.images import built_images
 
 
 @pytest.fixture(scope="session")

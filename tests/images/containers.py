@@ -25,17 +25,9 @@ from typing import Any
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-BUILT = REPO / "out" / "images" / "built.json"
 # runc's state for these containers only, apart from any other runc user on the machine.
 RUNC_ROOT = Path("/run/arc-serving-image-tests")
 HOME_SIZE = "2g"
-
-
-def built_images() -> dict[str, dict[str, Any]]:
-    """What `make images`/`make images-local` built here (out/images/built.json)."""
-    if not BUILT.is_file():
-        return {}
-    return dict(json.loads(BUILT.read_text(encoding="utf-8")))
 
 
 def runner_missing() -> str | None:
