@@ -13,7 +13,6 @@ replay sent again still hits the cache.
 from __future__ import annotations
 
 import json
-import os
 import re
 import threading
 import time
@@ -24,7 +23,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from arc_harness.vllm_server import VllmServer
+from arc_harness.vllm_server import VllmServer, write_policy_file
 from arc_loadtest.run import run_replay
 from arc_loadtest.stream import completion_body
 from arc_loadtest.tokens import TokenMapper, vocabulary_from_tokenizer
@@ -73,13 +72,6 @@ def server(
         yield srv
 
 
-def write_policy(path: Path, policy: str) -> None:
-    """Replace the file in one step, as the kubelet swaps a ConfigMap volume's contents."""
-    staged = path.with_suffix(".tmp")
-    staged.write_text(json.dumps({"policy": policy}))
-    os.replace(staged, path)
-
-
 def switcher(server: VllmServer, path: Path, written: list[str], stop: threading.Event) -> None:
     """Write switch ``n`` (from 1) once the engine has answered ``n`` times ANSWERS_PER_SWITCH
     requests of the replay and applied switch ``n - 1`` (its switch counter), SWITCHES
@@ -97,7 +89,7 @@ def switcher(server: VllmServer, path: Path, written: list[str], stop: threading
         ):
             if stop.wait(0.1):
                 return
-        write_policy(path, policy)
+        write_policy_file(path, policy)
         written.append(policy)
 
 

@@ -26,8 +26,6 @@ The run takes about two minutes, most of it the server's start.
 
 from __future__ import annotations
 
-import json
-import os
 import random
 import re
 import time
@@ -38,7 +36,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from arc_harness.vllm_server import VllmServer
+from arc_harness.vllm_server import VllmServer, write_policy_file
 from tests.faults.serving import metric_sum
 from tests.kv_events.conftest import BLOCK, FIRST_POLICY
 from tests.kv_events.events import (
@@ -136,13 +134,6 @@ class Run:
     observed: dict[str, Observed]
     anomalies: list[str]
     errors: list[str]
-
-
-def write_policy(path: Path, policy: str) -> None:
-    """Replace the file in one step, as the kubelet swaps a ConfigMap volume's contents."""
-    staged = path.with_suffix(".tmp")
-    staged.write_text(json.dumps({"policy": policy}))
-    os.replace(staged, path)
 
 
 def documents() -> list[list[int]]:
@@ -324,7 +315,7 @@ def run(server: VllmServer, event_stream: EventStream, policy_file: Path) -> Run
             phase.reset_answer = answer.json()
         switched = plan.policy != policy
         if switched:
-            write_policy(policy_file, plan.policy)
+            write_policy_file(policy_file, plan.policy)
             policy = plan.policy
         run_phase(server, event_stream, phase, seed, switched)
         phases[plan.name] = phase

@@ -40,7 +40,7 @@ from arc_dev.demo import (
     EngineCounters,
     parse_counters,
 )
-from arc_serving_common.names import policy_file_text
+from arc_harness.vllm_server import write_policy_file
 from arc_serving_common.traces import TraceRequest, load_trace
 
 # The first long prompts of a fresh engine are slower; no run pays for them.
@@ -128,9 +128,7 @@ class BatchEngine:
         """Switch to ``name`` (the plugin polls its file before a scheduler step, so each
         check runs a one-token request), then empty the prefix cache."""
         if self.policy_file is not None:
-            tmp = self.policy_file.with_suffix(".tmp")
-            tmp.write_text(policy_file_text(name))
-            os.replace(tmp, self.policy_file)  # the plugin never reads half a file
+            write_policy_file(self.policy_file, name)
             deadline = time.monotonic() + SWITCH_TIMEOUT_S
             while self.counters().active_policy != name:
                 if time.monotonic() > deadline:

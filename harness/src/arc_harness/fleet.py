@@ -74,8 +74,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from arc_harness.vllm_server import VllmServer
-from arc_serving_common.names import CONFIG_ENV, POLICY_NAMES, POLL_MS_ENV, policy_file_text
+from arc_harness.vllm_server import VllmServer, write_policy_file
+from arc_serving_common.names import CONFIG_ENV, POLICY_NAMES, POLL_MS_ENV
 
 BLOCK_TOKENS = 32  # vLLM's CPU build needs a multiple of 32; the router gets the same
 ROUTER_POLICIES = (
@@ -323,13 +323,6 @@ def engine_core(index: int) -> int:
     """
     cores = sorted(os.sched_getaffinity(0))
     return cores[index % len(cores)]
-
-
-def write_policy_file(path: Path, policy: str) -> None:
-    """Replace the plugin's policy file atomically, so it never reads half a file."""
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(policy_file_text(policy))
-    os.replace(tmp, path)
 
 
 class FleetRouter:

@@ -35,7 +35,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 
-from arc_serving_common.names import API_KEY_ENV
+from arc_serving_common.names import API_KEY_ENV, policy_file_text
 
 # The CPU backend's paged attention works on blocks of a multiple of 32 tokens.
 CPU_BLOCK_MULTIPLE = 32
@@ -115,6 +115,14 @@ def _tail(path: Path, lines: int = 60) -> str:
     except OSError as exc:
         return f"(no log: {exc})"
     return "\n".join(text.splitlines()[-lines:])
+
+
+def write_policy_file(path: Path, policy: str) -> None:
+    """Replace the plugin's policy file atomically, as the kubelet swaps a ConfigMap volume's
+    contents, so the plugin never reads half a file."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(policy_file_text(policy))
+    os.replace(tmp, path)
 
 
 class VllmServer:
