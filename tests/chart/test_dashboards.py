@@ -14,7 +14,10 @@ from typing import Any
 
 import promql_parser
 import pytest
-from chart_helpers import CHART, dashboards_generator, known_metric_names
+import yaml
+from chart_helpers import CHART, dashboards_generator, known_metric_names, run, tool
+
+from arc_harness.prometheus import Intervals, expand
 
 DASHBOARDS = sorted((CHART / "dashboards").glob("*.json"))
 # Grafana's interval variables become a duration; any other variable a matcher value.
@@ -179,6 +182,50 @@ def test_policy_switches_are_annotations(path: Path) -> None:
     assert [a["name"] for a in annotations] == ["Policy switches"]
     assert "arc_evictor_policy_switches_total" in annotations[0]["expr"]
     assert annotations[0]["datasource"]["uid"] == "${datasource}"
+    # Its marks fall on the steps of panels queried at the chart's own scrape interval.
+    values = yaml.safe_load((CHART / "values.yaml").read_text(encoding="utf-8"))
+    assert annotations[0]["step"] == values["monitoring"]["podMonitor"]["interval"]
+
+
+def test_switch_annotation_marks_each_rise_of_the_counter_once(tmp_path: Path) -> None:
+    """promtool evaluates the annotation, as Grafana sends it, at each step of a range query
+    over scrapes 15 s apart: one mark at the step each rise of the counter shows at (two
+    switches within one scrape are one rise), none at a counter reset or a pod's first sample."""
+    (annotation,) = [a for a in load(CHART / "dashboards" / "overview.json")["annotations"]["list"]
+                     if "expr" in a]  # fmt: skip
+    everything = {"namespace": None, "servingpolicy": None, "pod": None}
+    expr = expand(annotation["expr"], Intervals.for_range(600, 15.0, 15.0), everything)
+    # chat-0 switches once, twice within a scrape, restarts (a reset), switches once more;
+    # chat-1 appears with one switch counted already.
+    rises = {30: 1, 75: 2, 135: 1}
+    series = {"chat-0": "0 0 1 1 1 3 3 0 0 1", "chat-1": "_ _ _ _ 1 1 1 1 1 1"}
+    tests = {
+        "interval": "15s",
+        "input_series": [
+            {
+                "series": "arc_evictor_policy_switches_total"
+                f'{{namespace="llm", servingpolicy="chat", pod="{pod}"}}',
+                "values": values,
+            }
+            for pod, values in series.items()
+        ],
+        "promql_expr_test": [
+            {
+                "expr": expr,
+                "eval_time": f"{at}s",
+                "exp_samples": [{"labels": '{namespace="llm", pod="chat-0"}', "value": rises[at]}]
+                if at in rises
+                else [],
+            }
+            for at in range(0, 150, 15)
+        ],
+    }
+    unit_tests = tmp_path / "annotation_test.yaml"
+    # promtool evaluates at multiples of evaluation_interval: the steps.
+    unit_file = {"rule_files": [], "evaluation_interval": "15s", "tests": [tests]}
+    unit_tests.write_text(yaml.safe_dump(unit_file), encoding="utf-8")
+    result = run([tool("promtool"), "test", "rules", unit_tests])
+    assert result.returncode == 0, result.stdout + result.stderr
 
 
 def routing_queries() -> dict[str, list[str]]:

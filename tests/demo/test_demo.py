@@ -297,9 +297,44 @@ def test_snapshot_draws_the_main_dashboards_panels(tmp_path: Path) -> None:
         line = snapshot.Line(legend, times, [1.0] * len(times))
         panels.append(snapshot.PanelData(panel["title"], panel["type"], unit, [line]))
     assert len(panels) == 10
-    path = snapshot.draw(panels, [1030.0], 1000.0, 1120.0, "title", tmp_path / "d.png")
+    marks = [snapshot.AnnotationEvent(1030.0, 1030.0, 15.0),
+             snapshot.AnnotationEvent(1060.0, 1075.0, 15.0)]  # fmt: skip
+    path = snapshot.draw(panels, marks, 1000.0, 1120.0, "title", tmp_path / "d.png")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert path.stat().st_size > 50_000
+
+
+def test_marks_one_step_apart_merge_into_one_region_as_grafana_does() -> None:
+    events = snapshot.merged_events([1030.0, 1000.0, 1015.0, 1060.0], 15.0)
+    assert [(e.time, e.time_end) for e in events] == [(1000.0, 1030.0), (1060.0, 1060.0)]
+    assert snapshot.merged_events([], 15.0) == []
+
+
+SWITCHES = [snapshot.Switch("arc", 1000.0, 1000.4), snapshot.Switch("trio", 1200.0, 1200.3)]
+
+
+def mark(at: float) -> snapshot.AnnotationEvent:
+    return snapshot.AnnotationEvent(at, at, 15.0)
+
+
+def test_each_switch_must_have_one_mark_within_a_scrape_and_a_step_after_it() -> None:
+    # Within 15 s of scrape and 15 s of step after the report: 1030.4 and 1230.3 at the latest.
+    assert snapshot.switch_mark_problems(SWITCHES, [mark(1030.0), mark(1215.0)], 15.0) == []
+    late, early, doubled = (
+        snapshot.switch_mark_problems(SWITCHES, marks, 15.0)
+        for marks in ([mark(1031.0), mark(1215.0)], [mark(999.0), mark(1215.0)],
+                      [mark(1015.0), mark(1030.0), mark(1215.0)])
+    )  # fmt: skip
+    assert late[0].startswith("the switch to arc (written 1000.0, reported 1000.4) has 0 marks")
+    assert late[1] == "marks with no switch before them: [1031.0]"
+    assert early[1] == "marks with no switch before them: [999.0]"
+    assert doubled == [
+        "the switch to arc (written 1000.0, reported 1000.4) has 2 marks within one scrape and "
+        "one step after it: [1015.0, 1030.0]"
+    ]
+    assert snapshot.switch_mark_problems(SWITCHES[:1], [mark(1010.0), mark(1100.0)], 15.0) == [
+        "marks with no switch before them: [1100.0]"
+    ]
 
 
 def test_sigterm_unwinds_the_demo_so_its_servers_are_stopped(tmp_path: Path) -> None:

@@ -556,7 +556,9 @@ def test_dashboard_queries_return_data_and_a_picture_is_drawn(
     panel that the replays feed; the overview is drawn to out/e2e/dashboards.png."""
     start, end = figures["replays_started"], time.time()
     picture = OUT / "dashboards.png"
-    panels = snapshot(prometheus, load_dashboard("overview.json"), start, end, SCRAPE_S, picture)
+    panels = snapshot(
+        prometheus, load_dashboard("overview.json"), start, end, SCRAPE_S, picture
+    ).panels
     assert picture.stat().st_size > 10_000
     empty = [p.title for p in panels if not any(line.values for line in p.lines)]
     figures["overview_panels"] = {"with_data": len(panels) - len(empty), "empty": empty}

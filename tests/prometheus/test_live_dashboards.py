@@ -13,7 +13,8 @@ test; thresholds and the rest of the expressions are the chart's.
 The scenario, run once in this order:
 
 1. healthy: a Locust replay of a document-QA trace with two live policy switches
-   (lru -> arc -> trio); no alert may be pending or firing;
+   (lru -> arc -> trio), far enough apart for two policy-switch marks; no alert may be
+   pending or firing;
 2. overload: 16 requests in flight with unique 61-block prompts, so requests queue, time to
    first token grows and nothing hits the cache any more; hit-rate drop, TTFT p99 and
    queueing alerts fire;
@@ -45,13 +46,20 @@ import requests
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from arc_dev.snapshot import snapshot
+from arc_dev.snapshot import (
+    Switch,
+    annotation_events,
+    duration_seconds,
+    snapshot,
+    switch_mark_problems,
+)
 from arc_harness.prometheus import (
     EngineTarget,
     Intervals,
     PanelQuery,
     PrometheusServer,
     dashboard_names,
+    duration,
     expand,
     load_dashboard,
     panel_queries,
@@ -81,7 +89,16 @@ CACHE_BLOCKS = 64  # cacheable blocks (the server gets one more, vLLM's null blo
 # 100 requests 0.5 s apart: a 50 s replay, long enough to be the hour-earlier window of the
 # hit-rate-drop alert (15 s window, 60 s offset, 15 s for) while the overload follows it.
 REPLAY_REQUESTS, REPLAY_SPACING_S = 100, 0.5
-LIVE_SWITCHES = ((15.0, "arc"), (30.0, "trio"))  # seconds into the replay -> policy
+OVERVIEW = load_dashboard("overview.json")
+ANNOTATION = next(a for a in OVERVIEW["annotations"]["list"] if "expr" in a)
+ANNOTATION_STEP_S = duration_seconds(ANNOTATION["step"])
+SWITCH_COUNTER = "arc_evictor_policy_switches_total"
+# The healthy replay's live switches: the first this far into it, each next one two
+# annotation steps and two scrapes after the engine reported the one before, so that their
+# marks (each within a scrape and a step of its switch) are more than a step apart and
+# Grafana does not merge them into one region.
+LIVE_SWITCHES, FIRST_SWITCH_S = ("arc", "trio"), 5.0
+SWITCH_SPACING_S = 2 * ANNOTATION_STEP_S + 2 * SCRAPE_S
 FLAPPING = ("arc", "s3fifo", "sieve", "dbl", "lru", "trio")
 # 61 blocks of one request fill the cache, so unique prompts run one at a time and queue.
 OVERLOAD_PROMPT_TOKENS, OVERLOAD_OUTPUT, OVERLOAD_IN_FLIGHT = 61 * BLOCK_TOKENS - 2, 16, 16
@@ -131,7 +148,7 @@ class Scenario:
     """When each phase ran, what was switched, and every alert state seen meanwhile."""
 
     healthy: tuple[float, float]
-    switches: list[tuple[float, str]]
+    switches: list[Switch]
     overload: tuple[float, float]
     saturation: tuple[float, float]
     down: tuple[float, float]
@@ -156,15 +173,15 @@ def write_policy(path: Path, policy: str) -> None:
     os.replace(staged, path)
 
 
-def switch(server: VllmServer, path: Path, policy: str) -> float:
-    """Switch the engine to ``policy``; returns when it reports it (time of the write)."""
+def switch(server: VllmServer, path: Path, policy: str) -> Switch:
+    """Switch the engine to ``policy``; returns when it reports it, with when it was written."""
     written = time.time()
     write_policy(path, policy)
     deadline = time.monotonic() + SWITCH_TIMEOUT_S
     while active_policy(server) != policy:
         assert time.monotonic() < deadline, f"the engine did not switch to {policy}"
         time.sleep(0.1)
-    return written
+    return Switch(policy, written, time.time())
 
 
 def overload_in_flight(server: VllmServer, prompts: Iterator[list[int]]) -> int:
@@ -218,9 +235,13 @@ def scenario(
 ) -> Iterator[Scenario]:
     work = tmp_path_factory.mktemp("live-run")
     trace = docqa_trace(work / "trace.jsonl", count=REPLAY_REQUESTS, spacing_s=REPLAY_SPACING_S)
+    # The annotation marks a switch only where the counter has a sample a step before it.
+    history = f"{SWITCH_COUNTER} offset {duration(ANNOTATION_STEP_S + SCRAPE_S)}"
+    prometheus.wait_until(lambda: prometheus.query(history) != [], ALERT_TIMEOUT_S,
+                          "a step of the switch counter's history")  # fmt: skip
     recorder = AlertRecorder(prometheus)
     recorder.start()
-    switches: list[tuple[float, str]] = []
+    switches: list[Switch] = []
     load_errors: list[str] = []
     try:
         # 1. healthy replay with live switches
@@ -228,10 +249,12 @@ def scenario(
         stop = threading.Event()
 
         def switcher() -> None:
-            for offset, policy in LIVE_SWITCHES:
-                if stop.wait(max(0.0, started + offset - time.time())):
+            due = started + FIRST_SWITCH_S
+            for policy in LIVE_SWITCHES:
+                if stop.wait(max(0.0, due - time.time())):
                     return
-                switches.append((switch(server, policy_file, policy), policy))
+                switches.append(switch(server, policy_file, policy))
+                due = switches[-1].reported + SWITCH_SPACING_S
 
         writer = threading.Thread(target=switcher, daemon=True)
         writer.start()
@@ -263,7 +286,7 @@ def scenario(
         prompts = shared_prefix_prompts(PREFIX_TOKENS, SUFFIX_TOKENS, seed=2)
         with steady_load(server, prompts, SATURATION_OUTPUT, SATURATION_IN_FLIGHT) as errors:
             for policy in FLAPPING:
-                switches.append((switch(server, policy_file, policy), policy))
+                switches.append(switch(server, policy_file, policy))
             recorder.wait_for(SATURATION_ALERTS, saturation_start, ALERT_TIMEOUT_S)
         load_errors += errors
         saturation = (saturation_start, time.time())
@@ -283,7 +306,7 @@ def scenario(
 def test_healthy_replay_answers_everything_and_raises_no_alert(scenario: Scenario) -> None:
     summary = scenario.replay_summary
     assert (summary["requests_ok"], summary["requests_failed"]) == (REPLAY_REQUESTS, 0)
-    assert [policy for _, policy in scenario.switches[:2]] == ["arc", "trio"]
+    assert [s.policy for s in scenario.switches[: len(LIVE_SWITCHES)]] == list(LIVE_SWITCHES)
     active = scenario.recorder.active_between(*scenario.healthy)
     # What the replay measured says how far the server was from the latency alert's 2 s.
     measured = {key: summary[key] for key in ("ttft_s", "dispatch_lag_s")}
@@ -471,35 +494,35 @@ def test_hit_rate_per_policy_shows_each_policy_that_ran(
     assert best > 0.5
 
 
-def test_policy_switch_annotation_marks_each_switch(
+def test_policy_switch_annotation_marks_each_switch_once(
     scenario: Scenario, prometheus: PrometheusServer
 ) -> None:
-    dashboard = load_dashboard("overview.json")
-    annotation = next(a for a in dashboard["annotations"]["list"] if a.get("expr"))
-    step_s = float(annotation["step"].removesuffix("m")) * 60
-    live = scenario.switches[: len(LIVE_SWITCHES)]
-    # A reader looking at the last hour once the minute after the last switch has passed.
-    now = max(time.time(), live[-1][0] + step_s)
-    time.sleep(max(0.0, now - time.time()))
-    result = evaluate(prometheus, annotation["expr"], (now - 3600, now), ALL, min_step_s=step_s)
-    marks = [float(at) for series in result for at, value in series["values"] if float(value) > 0]
+    """Each live switch shows as one mark within one scrape and one annotation step after it,
+    as a reader of the last hour sees it; no other mark before the saturation phase's
+    switches."""
+    now = time.time()
+    result = evaluate(prometheus, ANNOTATION["expr"], (now - 3600, now), ALL,
+                      min_step_s=ANNOTATION_STEP_S)  # fmt: skip
     assert {(s["metric"]["namespace"], s["metric"]["pod"]) for s in result} == {(NAMESPACE, POD)}
-    for switched_at, policy in live:
-        assert any(switched_at < mark <= switched_at + step_s + SCRAPE_S for mark in marks), (
-            f"no annotation for the switch to {policy} at {switched_at}: marks {marks}"
-        )
+    marks = annotation_events(prometheus, OVERVIEW, now - 3600, now, SCRAPE_S)
+    assert {mark.step_s for mark in marks} == {ANNOTATION_STEP_S}
+    before_flapping = [mark for mark in marks if mark.time < scenario.saturation[0]]
+    live = scenario.switches[: len(LIVE_SWITCHES)]
+    assert switch_mark_problems(live, before_flapping, SCRAPE_S) == []
 
 
-def test_snapshot_draws_every_overview_panel_with_data(
+def test_snapshot_draws_every_overview_panel_and_a_mark_per_switch(
     scenario: Scenario, prometheus: PrometheusServer, tmp_path: Path
 ) -> None:
-    dashboard = load_dashboard("overview.json")
     path = tmp_path / "dashboards.png"
-    panels = snapshot(prometheus, dashboard, *scenario.healthy, SCRAPE_S, path)
+    drawn = snapshot(prometheus, OVERVIEW, *scenario.healthy, SCRAPE_S, path)
+    panels = drawn.panels
     assert [p.title for p in panels] == [
-        p["title"] for p in dashboard["panels"] if p["type"] != "row"
+        p["title"] for p in OVERVIEW["panels"] if p["type"] != "row"
     ]
     assert all(panel.lines for panel in panels), [p.title for p in panels if not p.lines]
     timeline = next(p for p in panels if p.kind == "state-timeline")
     assert {line.legend for line in timeline.lines} >= {f"{NAMESPACE}/{POD}: trio"}
+    live = scenario.switches[: len(LIVE_SWITCHES)]
+    assert switch_mark_problems(live, drawn.marks, SCRAPE_S) == []
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

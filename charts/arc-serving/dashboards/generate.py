@@ -225,12 +225,19 @@ def skeleton(uid: str, title: str, description: str) -> dashboard_builders.Dashb
         .enable(True)
         .hide(False)
         .icon_color("orange")
-        # Over the step plus one scrape interval ($__rate_interval): over the step alone,
-        # changes() misses a switch whose last scrape before it falls in the previous step.
-        .expr(f"sum by (namespace, pod) (changes({switches}[$__rate_interval])) > 0"),
+        # The counter's rise since the previous step ($__interval is the step): summed over
+        # the steps it telescopes, so each switch marks exactly one step, the first at or
+        # after the first scrape that saw it. A switch in the step of a counter reset (a
+        # negative difference) or in a pod's first step (no sample a step before) has none.
+        .expr(f"sum by (namespace, pod) ({switches} - {switches} offset $__interval) > 0"),
         # The Prometheus data source's annotation fields (the SDK's model has none of them).
         {
-            "step": "1m",
+            # The Min step: the chart's scrape interval (monitoring.podMonitor.interval), so
+            # marks fall on the steps of the panels at that scrape interval, where the
+            # "Active policy per pod" timeline changes. Grafana takes a query's Min step in
+            # place of the data source's scrape interval: a smaller one would put marks up to
+            # a scrape interval before the timeline's change.
+            "step": "15s",
             "titleFormat": "Policy switch",
             "textFormat": "{{namespace}}/{{pod}} switched eviction policy",
             "tagKeys": "namespace,pod",

@@ -1,16 +1,18 @@
 """A picture of a Grafana dashboard for readers without Grafana: every panel of the dashboard
 drawn with matplotlib from a real Prometheus's range queries, with the panel's title, unit and
-legend format, and the dashboard's policy-switch annotations as dashed vertical lines.
+legend format, and the dashboard's policy-switch annotations as dashed vertical lines (a region
+of merged marks shaded).
 
 Queries are sent as Grafana would send them (``arc_harness.prometheus.expand``: every variable at
-"All", ``$__interval`` and ``$__rate_interval`` by Grafana's rules for the time range).
+"All", ``$__interval`` and ``$__rate_interval`` by Grafana's rules for the time range), and an
+annotation query's answer becomes events as Grafana's Prometheus data source makes them.
 """
 
 from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -77,27 +79,96 @@ def fetch_panels(
     return panels
 
 
-def annotation_times(
+@dataclass(frozen=True, slots=True)
+class AnnotationEvent:
+    """One annotation as Grafana shows it: a line at ``time``, or a region up to ``time_end``.
+
+    ``step_s`` is the step of the query that found it: a policy-switch mark is at most one
+    step after the first scrape that saw the switch.
+    """
+
+    time: float
+    time_end: float
+    step_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Switch:
+    """A live policy switch to ``policy``: the policy file was written at ``written``, and
+    /metrics first reported the new policy at ``reported``; it took effect in between."""
+
+    policy: str
+    written: float
+    reported: float
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """What a drawn dashboard showed: each panel's data and the annotation events."""
+
+    panels: list[PanelData]
+    marks: list[AnnotationEvent]
+
+
+def merged_events(times: list[float], step_s: float) -> list[AnnotationEvent]:
+    """The events Grafana's Prometheus data source makes of one series' steps with a value
+    > 0 (processEvents): marks no more than one step apart merge into one region."""
+    events: list[AnnotationEvent] = []
+    for at in sorted(times):
+        if events and events[-1].time_end + step_s >= at:
+            events[-1] = AnnotationEvent(events[-1].time, at, step_s)
+        else:
+            events.append(AnnotationEvent(at, at, step_s))
+    return events
+
+
+def annotation_events(
     prometheus: PrometheusServer,
     dashboard: dict[str, Any],
     start: float,
     end: float,
     scrape_interval_s: float,
-) -> list[float]:
-    """When the dashboard's Prometheus annotations mark an event within [start, end]."""
-    marks = []
+) -> list[AnnotationEvent]:
+    """The events the dashboard's Prometheus annotations show within [start, end], by time."""
+    events = []
     for annotation in dashboard["annotations"]["list"]:
         if "expr" not in annotation:
             continue
         step_s = duration_seconds(annotation.get("step", "0s"))
         intervals = Intervals.for_range(end - start, scrape_interval_s, step_s)
         expr = expand(annotation["expr"], intervals, ALL_ENGINES)
-        # Up to one step after the end, so a mark for the last minute is not cut off.
+        # Up to one step after the end, so a mark for the last step is not cut off.
         for series in prometheus.query_range(
             expr, *intervals.align(start, end + step_s), intervals.interval_s
         ):
-            marks += [float(t) for t, v in series["values"] if float(v) > 0]
-    return sorted(marks)
+            marked = [float(t) for t, v in series["values"] if float(v) > 0]
+            events += merged_events(marked, intervals.interval_s)
+    return sorted(events, key=lambda event: event.time)
+
+
+def switch_mark_problems(
+    switches: Sequence[Switch], marks: Sequence[AnnotationEvent], scrape_interval_s: float
+) -> list[str]:
+    """What is wrong with the policy-switch marks, empty when each switch has exactly one
+    event starting between the policy file's write and one scrape interval plus one query
+    step after /metrics reported the switch, and no event starts anywhere else."""
+
+    def after(switch: Switch, mark: AnnotationEvent) -> bool:
+        return switch.written <= mark.time <= switch.reported + scrape_interval_s + mark.step_s
+
+    problems = []
+    for switch in switches:
+        found = [mark.time for mark in marks if after(switch, mark)]
+        if len(found) != 1:
+            problems.append(
+                f"the switch to {switch.policy} (written {switch.written:.1f}, reported "
+                f"{switch.reported:.1f}) has {len(found)} marks within one scrape and one step "
+                f"after it: {found}"
+            )
+    stray = [mark.time for mark in marks if not any(after(s, mark) for s in switches)]
+    if stray:
+        problems.append(f"marks with no switch before them: {stray}")
+    return problems
 
 
 def duration_seconds(text: str) -> float:
@@ -109,7 +180,7 @@ def duration_seconds(text: str) -> float:
 
 def draw(
     panels: list[PanelData],
-    marks: list[float],
+    marks: list[AnnotationEvent],
     start: float,
     end: float,
     title: str,
@@ -144,7 +215,9 @@ def draw(
             if panel.lines:
                 axes.legend(fontsize=7, loc="best")
         for mark in marks:
-            axes.axvline(minutes(mark), color="orange", linestyle="--", linewidth=0.8)
+            axes.axvline(minutes(mark.time), color="orange", linestyle="--", linewidth=0.8)
+            if mark.time_end > mark.time:
+                axes.axvspan(minutes(mark.time), minutes(mark.time_end), color="orange", alpha=0.2)
         axes.set_title(panel.title, fontsize=10)
         axes.set_xlim(0, (end - start) / 60)
         axes.set_xlabel("minutes", fontsize=8)
@@ -187,9 +260,9 @@ def snapshot(
     end: float,
     scrape_interval_s: float,
     path: Path,
-) -> list[PanelData]:
-    """Draw ``dashboard`` over [start, end] to ``path``; returns what each panel showed."""
+) -> Snapshot:
+    """Draw ``dashboard`` over [start, end] to ``path``; returns what it showed."""
     panels = fetch_panels(prometheus, dashboard, start, end, scrape_interval_s)
-    marks = annotation_times(prometheus, dashboard, start, end, scrape_interval_s)
+    marks = annotation_events(prometheus, dashboard, start, end, scrape_interval_s)
     draw(panels, marks, start, end, dashboard["title"], path)
-    return panels
+    return Snapshot(panels, marks)
