@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -109,11 +110,18 @@ def test_prepare_switches_policy_and_empties_the_cache(session: demo.ServerSessi
     session.prepare("lru")
     session.complete(PROMPT)
     assert hits_of(session, PROMPT) == 4  # all four full blocks were cached
+    before = time.time()
     session.prepare("arc")
     assert session.counters().active_policy == "arc"
     assert json.loads(session.policy_file.read_text()) == {"policy": "arc"}
     assert hits_of(session, PROMPT) == 0  # the reset emptied the cache
     assert hits_of(session, PROMPT) == 4
+    # The switch is logged with when it was asked for and when /metrics reported it; asking
+    # for the policy that runs already is no switch.
+    (switch,) = [s for s in session.switches if s.written >= before]
+    assert switch.policy == "arc" and before <= switch.written <= switch.reported <= time.time()
+    session.prepare("arc")
+    assert session.switches[-1] == switch
 
 
 def sequential_trace(folder: Path) -> Path:

@@ -30,10 +30,13 @@ Steps (each printed with its wall time):
    and against the baseline), the gain lines against the first policy and the targets, and
    write ``demo.png`` and ``demo.json``.
 8. A real Prometheus (``.tools/bin/prometheus``, from ``make tools``) scrapes the plugin's
-   server every second as the chart's PodMonitor would, during its runs; ``dashboards.png``
-   draws the chart's main Grafana dashboard (``arc_dev.snapshot``) from its range queries
-   over the runs: hit rate and TTFT over time per policy, as Grafana would show them. Without
-   the binary the demo says so and skips this picture.
+   server as the chart's PodMonitor does by default (every 15 s), during its runs;
+   ``dashboards.png`` draws the chart's main Grafana dashboard (``arc_dev.snapshot``) from its
+   range queries over the runs: hit rate and TTFT over time per policy, as Grafana would show
+   them. ``demo.json`` lists when each live switch was written and reported, and the
+   policy-switch annotation's marks; a switch without exactly one mark within one scrape and
+   one annotation step after it is printed as a warning. Without the binary the demo says so
+   and skips this picture.
 
 The default policies are LRU (the baseline), ARC and TRIO, the chart's default policy.
 
@@ -69,7 +72,7 @@ from arc_dev.pacing import (
     pace,
     parse_time_scale,
 )
-from arc_dev.snapshot import snapshot
+from arc_dev.snapshot import AnnotationEvent, Switch, snapshot, switch_mark_problems
 from arc_evictor.policies import policy_names
 from arc_harness.prometheus import (
     PROMETHEUS_BINARY,
@@ -121,7 +124,9 @@ PLUGIN_ENV_PREFIX = "ARC_EVICTOR_"  # every setting of the plugin; none reaches 
 STOCK_HIT_TOLERANCE = 0.005  # stock and the plugin's lru make the same decisions
 # LRU is the baseline the gains are measured against; TRIO is the chart's default policy.
 DEFAULT_POLICIES = ("lru", "arc", "trio")
-SCRAPE_INTERVAL_S = 1.0
+# The chart's default PodMonitor interval: Grafana's rate window is then 4 scrapes (60 s), which
+# holds enough of the trace's requests for a readable hit rate.
+SCRAPE_INTERVAL_S = 15.0
 # vLLM's counter of finished requests (every finish reason): the replay's progress.
 FINISHED_REQUESTS = "vllm:request_success_total"
 # vLLM's prefix-cache hits in tokens: whole blocks for full attention, so the stock server's
@@ -674,7 +679,8 @@ class ServerSession:
     ``policy_file`` None is the stock server, without the plugin: it has no policy to switch.
 
     Invariant: after ``prepare(name)`` returns, the engine runs policy ``name`` (``stock``:
-    vLLM's own) and its prefix cache (and the policy's state, ghost lists included) is empty.
+    vLLM's own) and its prefix cache (and the policy's state, ghost lists included) is empty;
+    ``switches`` lists every change of policy it made, in order.
     """
 
     def __init__(
@@ -684,6 +690,7 @@ class ServerSession:
         self.model = model
         self.policy_file = policy_file
         self.api_key = api_key  # the server's key: every request sends it (not only /v1)
+        self.switches: list[Switch] = []
 
     @property
     def plugin(self) -> bool:
@@ -730,6 +737,8 @@ class ServerSession:
         if name == STOCK and not self.plugin:
             self.reset_cache()
             return
+        running = self.counters().active_policy
+        written = time.time()
         self.write_policy(name)
         deadline = time.monotonic() + SWITCH_TIMEOUT_S
         # The plugin checks the file between scheduler steps: a request makes steps happen.
@@ -741,6 +750,8 @@ class ServerSession:
                 )
             self.complete([4, 5, 6, 7])
             time.sleep(POLL_MS / 1000)
+        if running != name:
+            self.switches.append(Switch(name, written, time.time()))
         self.reset_cache()
 
     def reset_cache(self) -> None:
@@ -977,6 +988,7 @@ def run_demo(settings: DemoSettings) -> int:
     stock: PolicyRun | None = None
     snapshot_path = out / "dashboards.png"
     snapshot_path.unlink(missing_ok=True)
+    marks: list[AnnotationEvent] = []
     try:
         with server, contextlib.ExitStack() as monitoring:
             clock.step(
@@ -987,7 +999,8 @@ def run_demo(settings: DemoSettings) -> int:
                 clock.step(f"no {PROMETHEUS_BINARY} (run `make tools`): no dashboards.png")
             else:
                 monitoring.enter_context(monitor)
-                clock.step(f"Prometheus at {monitor.base_url} scrapes the engine every second")
+                clock.step(f"Prometheus at {monitor.base_url} scrapes the engine every "
+                           f"{SCRAPE_INTERVAL_S:g} s")  # fmt: skip
             session = ServerSession(
                 server.base_url, server.served_model_name, policy_file, server.api_key
             )
@@ -1006,9 +1019,12 @@ def run_demo(settings: DemoSettings) -> int:
                                   scheduled_s=replay_pace.duration_s, clock=clock)
                 )  # fmt: skip
             if monitor is not None:
-                snapshot(monitor, load_dashboard("overview.json"), runs_started, time.time(),
-                         SCRAPE_INTERVAL_S, snapshot_path)  # fmt: skip
+                marks = snapshot(monitor, load_dashboard("overview.json"), runs_started,
+                                 time.time(), SCRAPE_INTERVAL_S, snapshot_path).marks  # fmt: skip
                 clock.step(f"dashboard snapshot {snapshot_path}")
+                problems = switch_mark_problems(session.switches, marks, SCRAPE_INTERVAL_S)
+                if problems:
+                    print(f"warning: {snapshot_path}'s switch marks: {'; '.join(problems)}")
         if settings.stock:
             log_path = out / "vllm-stock.log"
             log_path.unlink(missing_ok=True)
@@ -1041,6 +1057,7 @@ def run_demo(settings: DemoSettings) -> int:
             "utilization": replay_pace.utilization,
             "cost_model": asdict(cost_of(predictions)),
             "model": MODEL,
+            "scrape_interval_s": SCRAPE_INTERVAL_S,
         },
         "predictions": [asdict(p) for p in predictions],
         "runs": [
@@ -1054,6 +1071,9 @@ def run_demo(settings: DemoSettings) -> int:
             "summary": stock.summary,
         },
         "gains": [asdict(g) for g in gains(runs)],
+        # Epoch seconds: each live switch, and the policy-switch marks dashboards.png shows.
+        "switches": [asdict(switch) for switch in session.switches],
+        "annotation_marks": [asdict(mark) for mark in marks],
     }  # fmt: skip
     (out / "demo.json").write_text(json.dumps(report, indent=2) + "\n")
     clock.step(f"plot {png}, figures {out / 'demo.json'}")
