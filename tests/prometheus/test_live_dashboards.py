@@ -30,9 +30,7 @@ interval) and must return data with sane values.
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import re
 import threading
 import time
@@ -65,9 +63,9 @@ from arc_harness.prometheus import (
     panel_queries,
     pod_monitor_job,
 )
-from arc_harness.vllm_server import VllmServer
+from arc_harness.vllm_server import VllmServer, write_policy_file
 from arc_loadtest.run import run_replay
-from arc_serving_common.names import POLICY_NAMES
+from arc_serving_common.names import CONFIG_ENV, POLICY_NAMES, POLL_MS_ENV
 from tests.chart.chart_helpers import ALERTS_FILE
 from tests.faults.serving import BLOCK_TOKENS, docqa_trace
 from tests.prometheus.live_stack import (
@@ -166,17 +164,10 @@ def active_policy(server: VllmServer) -> str | None:
     return None
 
 
-def write_policy(path: Path, policy: str) -> None:
-    """Replace the file in one step, as the kubelet swaps a ConfigMap volume's contents."""
-    staged = path.with_suffix(".tmp")
-    staged.write_text(json.dumps({"policy": policy}))
-    os.replace(staged, path)
-
-
 def switch(server: VllmServer, path: Path, policy: str) -> Switch:
     """Switch the engine to ``policy``; returns when it reports it, with when it was written."""
     written = time.time()
-    write_policy(path, policy)
+    write_policy_file(path, policy)
     deadline = time.monotonic() + SWITCH_TIMEOUT_S
     while active_policy(server) != policy:
         assert time.monotonic() < deadline, f"the engine did not switch to {policy}"
@@ -198,7 +189,7 @@ def overload_in_flight(server: VllmServer, prompts: Iterator[list[int]]) -> int:
 @pytest.fixture(scope="module")
 def policy_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("live-config") / "policy.json"
-    write_policy(path, "lru")
+    write_policy_file(path, "lru")
     return path
 
 
@@ -207,7 +198,7 @@ def server(
     model_dir: Path, policy_file: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[VllmServer]:
     log = tmp_path_factory.mktemp("live-vllm") / "vllm.log"
-    env = {"ARC_EVICTOR_CONFIG": str(policy_file), "ARC_EVICTOR_POLL_MS": "100"}
+    env = {CONFIG_ENV: str(policy_file), POLL_MS_ENV: "100"}
     with VllmServer(model_dir, block_size=BLOCK_TOKENS, num_gpu_blocks=CACHE_BLOCKS + 1,
                     env=env, log_path=log) as srv:  # fmt: skip
         yield srv

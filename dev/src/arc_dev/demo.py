@@ -51,7 +51,6 @@ import argparse
 import contextlib
 import json
 import math
-import os
 import signal
 import subprocess
 import sys
@@ -71,6 +70,7 @@ from arc_dev.pacing import (
     measure_cost,
     pace,
     parse_time_scale,
+    warm_long_prompts,
 )
 from arc_dev.snapshot import AnnotationEvent, Switch, snapshot, switch_mark_problems
 from arc_evictor.policies import policy_names
@@ -82,8 +82,8 @@ from arc_harness.prometheus import (
     load_dashboard,
     pod_monitor_job,
 )
-from arc_harness.vllm_server import VllmServer
-from arc_serving_common.names import CONFIG_ENV, POLL_MS_ENV, policy_file_text
+from arc_harness.vllm_server import VllmServer, write_policy_file
+from arc_serving_common.names import CONFIG_ENV, POLL_MS_ENV
 from arc_serving_common.traces import TraceRequest, load_trace
 from arc_simulator.generate import DocQAParams, docqa, write_generated
 from arc_simulator.simulate import CostModel, simulate
@@ -727,9 +727,7 @@ class ServerSession:
         """Replace the policy file atomically, so the plugin never reads half a file."""
         if self.policy_file is None:
             raise DemoError(f"the {STOCK} server has no policy file; cannot switch to {name!r}")
-        tmp = self.policy_file.with_suffix(".tmp")
-        tmp.write_text(policy_file_text(name))
-        os.replace(tmp, self.policy_file)
+        write_policy_file(self.policy_file, name)
 
     def prepare(self, name: str) -> None:
         """Switch the engine to ``name`` (waiting until it reports it), then empty the cache;
@@ -865,7 +863,7 @@ def demo_server(
         if policy != STOCK:
             raise ValueError(f"a server without the plugin runs {STOCK!r}, not {policy!r}")
     else:
-        policy_file.write_text(policy_file_text(policy))
+        write_policy_file(policy_file, policy)
         env |= {CONFIG_ENV: str(policy_file.resolve()), POLL_MS_ENV: str(POLL_MS)}
     server_class = _StockServer if policy_file is None else _BackgroundServer
     return server_class(
@@ -918,12 +916,6 @@ def pace_to_server(
     return chosen, predictions
 
 
-def warm_up(session: ServerSession) -> None:
-    """The first long prompts of a fresh server process are slower; no run pays for them."""
-    for length in (1_500, 1_000, 500):
-        session.complete([4 + i % 1000 for i in range(length)], max_tokens=8)
-
-
 def replay_on_stock(
     model_dir: Path,
     settings: DemoSettings,
@@ -942,7 +934,7 @@ def replay_on_stock(
             f"{server.startup_seconds:.0f}s (log {log_path})"
         )
         session = ServerSession(server.base_url, server.served_model_name, None, server.api_key)
-        warm_up(session)
+        warm_long_prompts(session.complete)
         clock.step(f"{STOCK}: empty the cache, replay the trace with Locust at the same pace")
         return replay_policy(session, STOCK, trace_path, settings.out, tokenizer=model_dir,
                              time_scale=replay_pace.time_scale,
@@ -1004,7 +996,7 @@ def run_demo(settings: DemoSettings) -> int:
             session = ServerSession(
                 server.base_url, server.served_model_name, policy_file, server.api_key
             )
-            warm_up(session)
+            warm_long_prompts(session.complete)
             if monitor is not None:
                 monitor.wait_until(lambda: monitor.query("up == 1") != [], SWITCH_TIMEOUT_S,
                                    "Prometheus's first scrape of the engine")  # fmt: skip

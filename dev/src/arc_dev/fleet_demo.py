@@ -78,6 +78,7 @@ from arc_dev.pacing import (
     measure_cost,
     pace,
     parse_time_scale,
+    warm_long_prompts,
     warm_up,
 )
 from arc_evictor.policies import policy_names
@@ -917,11 +918,10 @@ def write_reports(
     return text_table(HEADER, rows)
 
 
-def warm_long_prompts(fleet: Fleet) -> None:
-    """The first long prompts of a server process are slower: send each server two."""
+def warm_every_server(fleet: Fleet) -> None:
+    """The first long prompts of each server process, served untimed."""
     for server in fleet.servers:
-        for length in (1_500, 500):
-            fleet.complete([4 + i % 1000 for i in range(length)], 4, url=server.url)
+        warm_long_prompts(partial(fleet.complete, url=server.url))
 
 
 def pace_to_fleet(
@@ -933,7 +933,7 @@ def pace_to_fleet(
     The pace assumes no hit at all (round robin on this trace gets few), so no routing's run
     overloads the replicas; ``--time-scale`` overrides the speed only.
     """
-    warm_long_prompts(fleet)
+    warm_every_server(fleet)
     prompt_tokens = max(sum(r.input_length for r in requests) // len(requests), 2 * BLOCK_TOKENS)
     first, *others = fleet.servers
     for server in others:  # measure_cost warms the first up itself
@@ -1087,7 +1087,7 @@ def run_demo(settings: FleetDemoSettings) -> int:
                 f"one big cache up: one server of {settings.capacity_blocks * REPLICAS} blocks "
                 f"{one_cache.servers[0].url} behind the router (logs {one_cache.work_dir})"
             )
-            warm_long_prompts(one_cache)
+            warm_every_server(one_cache)
             for eviction in settings.eviction:
                 replay(one_cache, ONE_CACHE, eviction)
     except (VllmServerError, FleetError, FleetDemoError) as exc:

@@ -150,6 +150,15 @@ def _calibration_prompts(
     ]
 
 
+def warm_long_prompts(
+    complete: Callable[[list[int], int], None], lengths: Sequence[int] = (1_500, 1_000, 500)
+) -> None:
+    """Serve, untimed, one prompt of each length: the first long prompts of a fresh vLLM
+    server process are slower than later ones, and no run may pay for them."""
+    for length in lengths:
+        complete([4 + i % 1000 for i in range(length)], 8)
+
+
 def warm_up(
     complete: Callable[[list[int], int], None],
     prompt_tokens: int,
