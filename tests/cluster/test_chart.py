@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from cluster.addons import apply_gateway_api_crds
-from tests.cluster.helpers import CHART, DEPRECATION, Kube, Release, wait_for
+from tests.cluster.helpers import CHART, Kube, Release, api_warnings, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -38,7 +38,7 @@ def _manifest_objects(text: str) -> list[dict[str, Any]]:
 
 def test_quick_start_install_is_accepted_without_warnings(kube: Kube, release: Release) -> None:
     output = release.install.stdout + release.install.stderr
-    assert not DEPRECATION.findall(output), output
+    assert not api_warnings(output), output
     manifest = kube.helm("get", "manifest", release.name, "-n", release.namespace)
     assert manifest.returncode == 0, manifest.stderr
     objects = _manifest_objects(manifest.stdout)
@@ -55,7 +55,7 @@ def test_quick_start_install_is_accepted_without_warnings(kube: Kube, release: R
     # Every object the chart rendered is stored under its kind, name and namespace, and reading
     # them all back raises no deprecation warning either.
     got = kube.run("get", "-n", release.namespace, "-f", "-", "-o", "json", input=manifest.stdout)
-    assert not DEPRECATION.findall(got.stderr), got.stderr
+    assert not api_warnings(got.stderr), got.stderr
     stored = json.loads(got.stdout)
     stored_items = stored["items"] if stored.get("kind") == "List" else [stored]
     assert sorted((o["kind"], o["metadata"]["name"]) for o in stored_items) == sorted(
@@ -146,7 +146,7 @@ def test_ci_variant_passes_server_dry_run(
 ) -> None:
     namespace = f"dry-{values.stem}"[:63]
     for stderr in _dry_run_ci_variant(kube, values, namespace):
-        assert not DEPRECATION.findall(stderr), stderr
+        assert not api_warnings(stderr), stderr
 
 
 def _rendered_httproute(kube: Kube, namespace: str, *sets: str) -> dict[str, Any]:
@@ -194,7 +194,7 @@ def test_rendered_httproute_passes_the_gateway_apis_server_side_checks(
     route = _rendered_httproute(kube, release.namespace, *sets)
     applied = _dry_run(kube, release.namespace, route)
     assert applied.returncode == 0, applied.stderr
-    assert not DEPRECATION.findall(applied.stderr), applied.stderr
+    assert not api_warnings(applied.stderr), applied.stderr
     stored = json.loads(applied.stdout)
     # Stored as rendered, with the CRD's defaults filled in (group and kind of each parent).
     assert stored["spec"]["rules"][0]["backendRefs"][0]["port"] == 8000

@@ -20,7 +20,6 @@ import yaml
 from arc_serving_common.names import POLICY_ENV
 from tests.cluster.helpers import (
     CHART,
-    DEPRECATION,
     EXAMPLE,
     FINALIZER,
     OUT,
@@ -28,6 +27,7 @@ from tests.cluster.helpers import (
     HostOperator,
     Kube,
     Release,
+    api_warnings,
     configured_policy,
     helm_upgrade,
     launch_operator,
@@ -98,7 +98,7 @@ def _mounts_configmap(deployment: dict[str, Any]) -> bool:
 def _rollback(kube: Kube, release: Release, *revision: str) -> None:
     rolled = kube.helm("rollback", release.name, *revision, "-n", release.namespace)
     assert rolled.returncode == 0, rolled.stderr
-    assert not DEPRECATION.findall(rolled.stdout + rolled.stderr), rolled.stderr
+    assert not api_warnings(rolled.stdout + rolled.stderr), rolled.stderr
 
 
 def _revisions(kube: Kube, release: Release) -> list[tuple[int, str, str]]:
@@ -201,7 +201,7 @@ def test_uninstall_keeps_the_crd_and_the_servingpolicies_users_created(
     kube.run(*hook, timeout=300)
     uninstalled = kube.helm("uninstall", life.release.name, "-n", ns, "--wait", "--timeout", "2m")
     assert uninstalled.returncode == 0, uninstalled.stderr
-    assert not DEPRECATION.findall(uninstalled.stdout + uninstalled.stderr), uninstalled.stderr
+    assert not api_warnings(uninstalled.stdout + uninstalled.stderr), uninstalled.stderr
     # The operator's pod goes with the release: so does the host process standing in for it.
     life.operator.stop()
     assert kube.get("servingpolicy", name, "-n", ns) is None
