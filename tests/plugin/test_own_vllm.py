@@ -15,18 +15,16 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
+import shlex
 import subprocess
 import sys
 import sysconfig
-import time
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from arc_harness.vllm_server import cpu_dtype, cpu_engine_environment, free_port
+from arc_harness.vllm_server import VllmServer
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -36,7 +34,6 @@ BUILD_WHEELS = Path(sys.prefix) / "build-wheels"
 # This project's distributions (and their editable-install hooks): left out of the user's venv.
 OWN = re.compile(r"^(__editable__\.)?(arc_evictor|arc_serving_\w+)[-.]")
 BLOCK = 32
-START_TIMEOUT_S = 600.0
 
 
 def readme_commands() -> list[str]:
@@ -65,57 +62,38 @@ def make_vllm_environment(path: Path) -> Path:
     return path / "bin"
 
 
-@pytest.fixture(scope="module")
-def commands(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterator[dict]:
-    if not any(BUILD_WHEELS.glob("setuptools-*.whl")):
-        pytest.fail(f"no build requirements in {BUILD_WHEELS}: `make test` fetches them")
-    install, serve, read = readme_commands()
-    port = free_port()
-    cpu_args = (
-        f"{model_dir} --served-model-name tiny --host 127.0.0.1 --port {port} "
-        f"--block-size {BLOCK} --max-model-len 1024 --num-gpu-blocks-override 64 "
-        f"--dtype {cpu_dtype()} --enforce-eager"
-    )
-    assert " MODEL " in serve and "localhost:8000" in read, (serve, read)
-    bin_dir = make_vllm_environment(tmp_path_factory.mktemp("user") / "venv")
-    env = cpu_engine_environment(tmp_path_factory.mktemp("unused"), 1, True)
-    for name in ("PROMETHEUS_MULTIPROC_DIR", "VIRTUAL_ENV", "PYTHONPATH", "VLLM_API_KEY"):
-        env.pop(name, None)  # the README's line sets the first; the others are the dev venv's
-    env |= {
+def as_user(env: dict[str, str], bin_dir: Path) -> dict[str, str]:
+    """``env`` as the user's shell has it: their venv's ``bin`` first on PATH, none of the dev
+    venv's, and pip's packages from the fetched wheels instead of an index."""
+    user = {k: v for k, v in env.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
+    return user | {
         "PATH": f"{bin_dir}{os.pathsep}{env['PATH']}",
         "PIP_NO_INDEX": "1",
         "PIP_FIND_LINKS": str(BUILD_WHEELS),
         "PIP_DISABLE_PIP_VERSION_CHECK": "1",
     }
-    yield {
-        "install": install,
-        "serve": serve.replace(" MODEL ", f" {cpu_args} ", 1),
-        "read": read.replace("localhost:8000", f"127.0.0.1:{port}"),
-        "env": env,
-        "python": bin_dir / "python",
-        "base_url": f"http://127.0.0.1:{port}",
-        "log": tmp_path_factory.mktemp("log") / "server.log",
-    }
 
 
-def bash(command: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        ["bash", "-c", command], cwd=REPO, env=env, capture_output=True, text=True, timeout=900
-    )
+class ReadmeServer(VllmServer):
+    """The README's server line, run by bash in the user's venv and started, waited for and
+    stopped as the harness's own server. ``MODEL`` becomes the tiny model followed by the
+    arguments the harness gives vLLM's CPU build here (port, block size, cache, dtype)."""
 
+    def __init__(self, line: str, model_dir: Path, bin_dir: Path, log_path: Path) -> None:
+        super().__init__(model_dir, block_size=BLOCK, num_gpu_blocks=64, max_model_len=1024,
+                         served_model_name="tiny", log_path=log_path, api_key=None)  # fmt: skip
+        assert " MODEL " in line, line
+        self.line, self.bin_dir = line, bin_dir
 
-def wait_healthy(process: subprocess.Popen[bytes], base_url: str, log: Path) -> None:
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            pytest.fail(f"the server exited with {process.returncode}:\n{log.read_text()[-4000:]}")
-        try:
-            with urllib.request.urlopen(f"{base_url}/health", timeout=5) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            time.sleep(1)
-    pytest.fail(f"the server did not answer /health in {START_TIMEOUT_S:.0f} s")
+    def command(self) -> list[str]:
+        harness = super().command()[3:]  # after python -m MODULE
+        at = harness.index("--model")
+        model = [harness.pop(at + 1), *harness[:at], *harness[at + 1 :]]
+        return ["bash", "-c", self.line.replace(" MODEL ", f" {shlex.join(model)} ", 1)]
+
+    def environment(self) -> dict[str, str]:
+        # The CPU build's settings; the README's line sets its own PROMETHEUS_MULTIPROC_DIR.
+        return as_user(super().environment(), self.bin_dir)
 
 
 def complete(base_url: str, prompt: list[int]) -> None:
@@ -138,27 +116,32 @@ def block_hits(base_url: str) -> float:
     return float(line.split()[-1])
 
 
+def bash(command: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["bash", "-c", command], cwd=REPO, env=env, capture_output=True, text=True, timeout=900
+    )
+
+
 def test_readme_lines_install_the_plugin_into_a_vllm_environment_and_show_it_working(
-    commands: dict,
+    model_dir: Path, tmp_path: Path
 ) -> None:
-    env, python = commands["env"], commands["python"]
-    installed = bash(commands["install"], env)
+    if not any(BUILD_WHEELS.glob("setuptools-*.whl")):
+        pytest.fail(f"no build requirements in {BUILD_WHEELS}: `make test` fetches them")
+    install, serve, read = readme_commands()
+    assert "localhost:8000" in read, read
+    bin_dir = make_vllm_environment(tmp_path / "venv")
+    env = as_user(dict(os.environ), bin_dir)
+    installed = bash(install, env)
     assert installed.returncode == 0, installed.stdout + installed.stderr
     # The wheel's compiled core, not the checkout's sources.
     where = subprocess.run(
-        [python, "-c", "import arc_evictor.policies.arc as m; print(m.__file__)"],
+        [bin_dir / "python", "-c", "import arc_evictor.policies.arc as m; print(m.__file__)"],
         cwd="/", env=env, check=True, capture_output=True, text=True,
     ).stdout.strip()  # fmt: skip
-    assert where.startswith(str(python.parent.parent)) and where.endswith(".so"), where
+    assert where.startswith(str(bin_dir.parent)) and where.endswith(".so"), where
 
-    with open(commands["log"], "wb") as log:
-        server = subprocess.Popen(
-            ["bash", "-c", commands["serve"]],
-            cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-        )  # fmt: skip
-    try:
-        wait_healthy(server, commands["base_url"], commands["log"])
-        shown = bash(commands["read"], env)
+    with ReadmeServer(serve, model_dir, bin_dir, tmp_path / "server.log") as server:
+        shown = bash(read.replace("localhost:8000", f"127.0.0.1:{server.port}"), env)
         assert shown.returncode == 0, shown.stderr
         assert shown.stdout.splitlines() == ['arc_evictor_policy_info{policy="arc"} 1.0'], (
             shown.stdout
@@ -167,20 +150,5 @@ def test_readme_lines_install_the_plugin_into_a_vllm_environment_and_show_it_wor
         # plugin publishes its counts at the next scheduler step: a third request makes one.
         prompt = [4 + i % 1000 for i in range(4 * BLOCK + 1)]
         for tokens in (prompt, prompt, [5]):
-            complete(commands["base_url"], tokens)
-        assert block_hits(commands["base_url"]) == 4
-    finally:
-        stop(server)
-
-
-def stop(server: subprocess.Popen[bytes]) -> None:
-    """Stop the server's process group (bash, the API server, the engine core)."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(server.pid, sig)
-            server.wait(timeout=60)
-            return
-        except ProcessLookupError:
-            return
-        except subprocess.TimeoutExpired:
-            continue
+            complete(server.base_url, tokens)
+        assert block_hits(server.base_url) == 4
